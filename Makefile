@@ -1,0 +1,42 @@
+# Every target bootstraps its own virtual environment on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test test-slow lint format figures readme-table clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,experiments]'
+	touch $(STAMP)
+
+## make test: lint, then the fast test suite (CI runs this).
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q -m "not slow"
+
+## make test-slow: the long statistical and training tests.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+## make figures: reproduce the figures under paper_figs/out/.
+figures: $(STAMP)
+	MPLBACKEND=Agg $(PY) -m paper_figs
+
+## make readme-table: regenerate the compressor table in README.md from the code.
+readme-table: $(STAMP)
+	$(PY) -m compjax.table --update README.md
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .ruff_cache paper_figs/out results

@@ -1,0 +1,155 @@
+"""The compressor contract shared by every compressor in compjax.
+
+A compressor is an immutable, hashable value (a frozen dataclass) with
+
+* ``compress(key, x) -> Payload``: the message a worker sends for the array
+  ``x``; ``key`` is a PRNG key (ignored, and may be ``None``, for deterministic
+  compressors);
+* ``decompress(payload) -> Array``: the decoded array, with ``x``'s shape and
+  dtype;
+* theory attached as metadata:
+
+  - ``unbiased``: ``E[C(x)] = x``;
+  - ``omega(d)``: variance constant of an unbiased compressor,
+    ``E||C(x) - x||^2 <= omega(d) ||x||^2`` for every ``x`` with ``d`` entries;
+  - ``delta(d)``: contraction of a biased compressor,
+    ``E||C(x) - x||^2 <= (1 - delta(d)) ||x||^2``;
+  - ``linear``: payloads of workers that used the same key may be summed
+    before decoding (``decompress`` of the sum is the sum of the decodes);
+  - ``bits(shape, dtype)``: the bits on the wire for an input of that shape
+    and dtype, equal to ``wire_bits(compress(key, x))``.
+
+``omega`` and ``delta`` return ``None`` where the compressor gives no such
+guarantee (``sign`` is neither unbiased nor contractive).
+
+Concrete compressors are final; new behaviour comes from wrapping
+(:func:`compjax.blockwise`, :func:`compjax.chain`, :func:`compjax.scaled`).
+
+Numerics: every compressor computes in float32 (bfloat16 and float16 inputs
+are upcast exactly), computes norms scaled by ``max|x|`` so that inputs near
+the float32 limits do not overflow, maps a zero input to a zero output, and
+casts its output back to the input dtype saturating at that dtype's largest
+finite value (so a float16 input never decodes to Inf through rounding up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from compjax.payload import Payload
+
+
+def _check_input(x) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x must be a floating point array, got dtype {x.dtype}")
+    return x
+
+
+def to_dtype(y: jax.Array, dtype) -> jax.Array:
+    """Cast ``y`` to ``dtype``, saturating at the target's largest finite value."""
+    dtype = np.dtype(dtype)
+    if y.dtype == dtype:
+        return y
+    if jnp.issubdtype(dtype, jnp.floating):
+        limit = float(jnp.finfo(dtype).max)
+        if limit < float(jnp.finfo(y.dtype).max):
+            y = jnp.clip(y, -limit, limit)
+    return y.astype(dtype)
+
+
+def safe_norm(x: jax.Array, axis=None) -> jax.Array:
+    """Euclidean norm computed as ``m * ||x / m||`` with ``m = max|x|``.
+
+    No overflow for entries near the float32 limit and exactly 0 for a zero
+    input (never NaN).
+    """
+    a = jnp.abs(x)
+    m = jnp.max(a, axis=axis, keepdims=True, initial=0.0)
+    safe_m = jnp.where(m > 0, m, 1.0)
+    n = jnp.sqrt(jnp.sum(jnp.square(a / safe_m), axis=axis, keepdims=True))
+    out = m * n
+    return out.squeeze(axis) if axis is not None else out.reshape(())
+
+
+def safe_divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` with 0 wherever ``b == 0``."""
+    return jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
+
+
+def require_key(key, name: str):
+    if key is None:
+        raise ValueError(f"{name} is stochastic: compress needs a PRNG key, got key=None")
+    return key
+
+
+def split_key(key, num: int = 2):
+    """``jax.random.split`` that passes ``None`` through (deterministic compressors)."""
+    if key is None:
+        return [None] * num
+    return list(jax.random.split(key, num))
+
+
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+    """Base class: a compressor acting on the flattened input.
+
+    Subclasses implement ``encode(key, flat) -> (wire, side)`` on the 1-D input
+    (float32 unless ``keeps_dtype``) and ``decode(wire, side, n, dtype)`` back to
+    a 1-D array, plus the metadata methods.  ``compress``/``decompress`` handle
+    shapes, dtypes and the payload's static metadata.
+    """
+
+    unbiased: ClassVar[bool] = False
+    linear: ClassVar[bool] = False
+    deterministic: ClassVar[bool] = False
+    # Send values in the input dtype (identity, sparsifiers) instead of float32.
+    keeps_dtype: ClassVar[bool] = False
+
+    # -- the wire -----------------------------------------------------------
+    def compress(self, key, x) -> Payload:
+        x = _check_input(x)
+        if not self.deterministic:
+            require_key(key, type(self).__name__)
+        flat = x.reshape(-1)
+        if not self.keeps_dtype:
+            flat = flat.astype(jnp.float32)
+        wire, side = self.encode(key, flat)
+        return Payload(wire=wire, side=side, meta=(tuple(x.shape), np.dtype(x.dtype)))
+
+    def decompress(self, payload: Payload) -> jax.Array:
+        shape, dtype = payload.meta[0], payload.meta[1]
+        flat = self.decode(payload.wire, payload.side, math.prod(shape), dtype)
+        return to_dtype(flat, dtype).reshape(shape)
+
+    def __call__(self, key, x) -> jax.Array:
+        """``decompress(compress(key, x))``: the compressed estimate of ``x``."""
+        return self.decompress(self.compress(key, x))
+
+    # -- to implement -------------------------------------------------------
+    def encode(self, key, flat: jax.Array) -> tuple[dict, dict]:
+        raise NotImplementedError
+
+    def decode(self, wire: dict, side: dict, n: int, dtype) -> jax.Array:
+        raise NotImplementedError
+
+    def omega(self, d: int) -> float | None:
+        """Variance constant for inputs of ``d`` entries (``None``: no guarantee)."""
+        return None
+
+    def delta(self, d: int) -> float | None:
+        """Contraction constant for inputs of ``d`` entries (``None``: no guarantee)."""
+        return None
+
+    def bits(self, shape, dtype=jnp.float32) -> int:
+        """Bits on the wire for an input of ``shape`` and ``dtype``."""
+        raise NotImplementedError
+
+    def bits_per_coordinate(self, d: int, dtype=jnp.float32) -> float:
+        return self.bits((d,), dtype) / d

@@ -1,0 +1,1 @@
+"""The compressors: one module per family."""

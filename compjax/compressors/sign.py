@@ -1,0 +1,101 @@
+"""One bit per entry: signSGD's sign and the scaled sign of EF-signSGD.
+
+References:
+  Bernstein, Wang, Azizzadenesheli, Anandkumar, "signSGD: Compressed
+  Optimisation for Non-Convex Problems", ICML 2018.
+  Karimireddy, Rebjock, Stich, Jaggi, "Error Feedback Fixes SignSGD and other
+  Gradient Compression Schemes", ICML 2019.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax.numpy as jnp
+
+from compjax import packing
+from compjax.compressor import Compressor
+
+
+def sign_bits(x):
+    """1 where ``x < 0`` else 0 (zero and +0 are sent as positive)."""
+    return (x < 0).astype(jnp.uint32)
+
+
+def sign_values(bits):
+    """Bits back to ``+1.0`` / ``-1.0``."""
+    return 1.0 - 2.0 * bits.astype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sign(Compressor):
+    """``C(x) = sign(x)`` in one bit per entry.  See :func:`sign`."""
+
+    deterministic: ClassVar[bool] = True
+
+    def encode(self, key, flat):
+        return {"signs": packing.pack(sign_bits(flat), 1)}, {}
+
+    def decode(self, wire, side, n, dtype):
+        return sign_values(packing.unpack(wire["signs"], 1, n))
+
+    def bits(self, shape, dtype=jnp.float32):
+        return packing.packed_bits(math.prod(shape), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledSign(Compressor):
+    """``C(x) = (||x||_1 / d) sign(x)``.  See :func:`scaled_sign`."""
+
+    deterministic: ClassVar[bool] = True
+
+    def encode(self, key, flat):
+        a = jnp.abs(flat)
+        m = jnp.max(a, initial=0.0)
+        safe_m = jnp.where(m > 0, m, 1.0)
+        scale = m * jnp.mean(a / safe_m) if flat.size else jnp.float32(0.0)
+        return {"scale": scale, "signs": packing.pack(sign_bits(flat), 1)}, {}
+
+    def decode(self, wire, side, n, dtype):
+        return wire["scale"] * sign_values(packing.unpack(wire["signs"], 1, n))
+
+    def delta(self, d):
+        return 1.0 / d if d > 0 else 1.0
+
+    def bits(self, shape, dtype=jnp.float32):
+        return packing.packed_bits(math.prod(shape), 1) + 32
+
+
+def sign() -> Sign:
+    """signSGD's compressor: ``C(x) = sign(x)``, one bit per entry.
+
+    Wire format: signs bit-packed 8 per byte.  Zero entries are sent as
+    ``+1`` (one bit has no room for a zero), so a zero input decodes to all
+    ones; use :func:`scaled_sign` where zero must map to zero.
+
+    Theory: biased and not contractive (``omega`` and ``delta`` are ``None``):
+    the output has norm ``sqrt(d)`` whatever the input's.
+
+    References:
+      Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex
+      Problems", ICML 2018.
+    """
+    return Sign()
+
+
+def scaled_sign() -> ScaledSign:
+    """EF-signSGD's compressor: ``C(x) = (||x||_1 / d) sign(x)``.
+
+    Wire format: one float32 scale and signs bit-packed 8 per byte.
+
+    Theory: biased and contractive, ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / d``
+    exactly, so ``delta(x) = ||x||_1^2 / (d ||x||^2)`` and ``delta(d) = 1/d``
+    (attained by 1-sparse ``x``).  A zero input gives zeros.
+
+    References:
+      Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
+      Compression Schemes", ICML 2019.
+    """
+    return ScaledSign()
