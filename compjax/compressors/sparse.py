@@ -64,7 +64,13 @@ class Sparsifier(Compressor):
 
     def scatter(self, idx, values, n):
         dense = jnp.zeros((n,), jnp.float32).at[idx].set(values.astype(jnp.float32))
-        return dense * self.scale(n)
+        scale = self.scale(n)
+        if scale == 1.0:
+            return dense
+        # Finite values whose rescaling leaves float32 saturate; Inf/NaN pass through.
+        limit = float(jnp.finfo(jnp.float32).max)
+        scaled = dense * scale
+        return jnp.where(jnp.isfinite(dense), jnp.clip(scaled, -limit, limit), scaled)
 
     def decode(self, wire, side, n, dtype):
         return self.scatter(wire["indices"], wire["values"], n)
@@ -175,7 +181,8 @@ def rand_k(
     Args:
       k, ratio: as in :func:`top_k`.
       scaled: multiply by ``d/k`` on decoding, making the compressor unbiased
-        with ``omega = d/k - 1`` exactly (for every ``x``); unscaled it is
+        with ``omega = d/k - 1`` exactly (for every ``x``; a rescaled value
+        beyond the float32 range saturates at its limit); unscaled it is
         biased with ``E||C(x) - x||^2 = (1 - k/d) ||x||^2``, ``delta = k/d``.
       shared_seed: the indices derive from the key alone, so only the values
         travel (the key is side information every worker holds) and payloads

@@ -1,0 +1,178 @@
+"""The contract every compressor keeps, over shapes, dtypes and values.
+
+Bits and output shapes are checked by abstract evaluation on every shape
+(scalars, empty arrays, sizes not divisible by 8); execution uses a fixed set
+of shapes so that each compressor compiles a bounded number of times.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import all_compressors, apply, min_size, roundtrip, roundtrip_all
+from hypothesis import given
+from hypothesis import strategies as st
+
+import compjax
+
+COMPRESSORS = all_compressors()
+SPECS = list(COMPRESSORS)
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+ALL_SHAPES = ((), (0,), (1,), (7,), (8,), (9,), (3, 5), (2, 3, 4), (4, 0), (63,), (1000,))
+# (shape, dtype) pairs that are executed.
+RUN_CASES = (((3, 3), jnp.float32), ((9,), jnp.bfloat16), ((9,), jnp.float16), ((), jnp.float32))
+KEY = jax.random.key(0)
+KEYS = jax.random.split(KEY, len(RUN_CASES))
+
+
+def raw(a):
+    """Array contents comparable by numpy (typed PRNG keys as their key data)."""
+    return jax.random.key_data(a) if jnp.issubdtype(a.dtype, jax.dtypes.prng_key) else a
+
+
+def assert_same(a, b):
+    np.testing.assert_array_equal(np.asarray(raw(a)), np.asarray(raw(b)))
+
+
+def accepts(comp, shape) -> bool:
+    return math.prod(shape) >= min_size(comp)
+
+
+def values(seed: int, shape, dtype, exponent: int = 0, sparsity: float = 0.0) -> jax.Array:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * 10.0**exponent
+    x = np.where(rng.random(shape) < sparsity, 0.0, x)
+    return jnp.asarray(x, dtype=dtype)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_bits_and_shapes_match_payload(spec):
+    comp = COMPRESSORS[spec]
+    for shape in ALL_SHAPES:
+        if not accepts(comp, shape):
+            continue
+        for dtype in DTYPES:
+            x = jax.ShapeDtypeStruct(shape, dtype)
+            payload = jax.eval_shape(comp.compress, KEY, x)
+            assert compjax.wire_bits(payload) == comp.bits(shape, dtype), (shape, dtype)
+            out = jax.eval_shape(comp.decompress, payload)
+            assert (out.shape, out.dtype) == (shape, dtype)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@given(
+    seed=st.integers(0, 2**31),
+    exponent=st.integers(-30, 30),
+    sparsity=st.sampled_from([0.0, 0.5, 0.9]),
+)
+def test_round_trip_is_deterministic_for_a_key(spec, seed, exponent, sparsity):
+    comp = COMPRESSORS[spec]
+    small = max(min(exponent, 3), -3)  # stay inside float16's range
+    xs = tuple(
+        values(seed + i, shape, dtype, exponent if dtype == jnp.float32 else small, sparsity)
+        for i, (shape, dtype) in enumerate(RUN_CASES)
+    )
+    keys = jax.random.split(jax.random.key(seed), len(xs))
+    first = roundtrip_all(comp, keys, xs)
+    jax.tree.map(assert_same, first, roundtrip_all(comp, keys, xs))
+    for x, (payload, y) in zip(xs, first, strict=True):
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert compjax.wire_bits(payload) == comp.bits(x.shape, x.dtype)
+        assert np.all(np.isfinite(np.asarray(y, np.float32)))
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_zero_input_gives_zero(spec):
+    comp = COMPRESSORS[spec]
+    xs = tuple(jnp.zeros(shape, dtype) for shape, dtype in RUN_CASES)
+    for x, (_, y) in zip(xs, roundtrip_all(comp, KEYS, xs), strict=True):
+        y = np.asarray(y, np.float32)
+        if isinstance(comp, compjax.compressors.sign.Sign):
+            # Documented: one bit has no zero, so zeros are sent as +1.
+            np.testing.assert_array_equal(y, np.ones(x.shape))
+        else:
+            np.testing.assert_array_equal(y, np.zeros(x.shape))
+
+
+# Entries near the float32 limits and subnormals; float16's own limits.  The
+# norm of each vector stays representable, so every exact result is finite.
+EXTREMES = {
+    jnp.float32: np.array([1e38, -1e38, 5e37, 1e-38, -1e-40, 0.0, 3.0, -2e-45, 7e30]),
+    jnp.bfloat16: np.array([1e38, -1e38, 5e37, 1e-38, -1e-38, 0.0, 3.0, -2e-38, 7e30]),
+    jnp.float16: np.array([65504, -65504, 6e4, 6e-8, -6e-5, 0.0, 3.0, -1e-7, 3e4]),
+}
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_extreme_values_stay_finite(spec):
+    comp = COMPRESSORS[spec]
+    xs = tuple(
+        jnp.asarray(EXTREMES[dtype][: math.prod(shape)], dtype).reshape(shape)
+        for shape, dtype in RUN_CASES
+    )
+    for x, (_, y) in zip(xs, roundtrip_all(comp, KEYS, xs), strict=True):
+        assert np.all(np.isfinite(np.asarray(y, np.float32))), (x.dtype, y)
+
+
+@partial(jax.jit, static_argnums=0)
+def batched(comp, keys, xs):
+    """``comp`` vmapped over (keys, inputs), and over inputs with one key."""
+    return jax.vmap(comp)(keys, xs), jax.vmap(comp, in_axes=(None, 0))(keys[0], xs)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_vmap_over_keys_and_inputs(spec):
+    comp = COMPRESSORS[spec]
+    shape, dtype = RUN_CASES[0]
+    xs = jnp.stack([values(s, shape, dtype) for s in range(3)])
+    keys = jax.random.split(KEY, 3)
+    over_both, over_inputs = batched(comp, keys, xs)
+    for i in range(3):
+        rest = tuple(jnp.zeros(s, d) for s, d in RUN_CASES[1:])
+        (_, ref_i), *_ = roundtrip_all(comp, KEYS.at[0].set(keys[i]), (xs[i], *rest))
+        (_, ref_0), *_ = roundtrip_all(comp, KEYS.at[0].set(keys[0]), (xs[i], *rest))
+        np.testing.assert_allclose(over_both[i], ref_i, rtol=1e-6)
+        np.testing.assert_allclose(over_inputs[i], ref_0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if not COMPRESSORS[s].deterministic])
+def test_different_keys_give_different_noise(spec):
+    comp = COMPRESSORS[spec]
+    x = values(3, (1000,), jnp.float32)
+    a = apply(comp, jax.random.key(1), x)
+    b = apply(comp, jax.random.key(2), x)
+    assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if COMPRESSORS[s].linear])
+def test_linear_payloads_sum_before_decoding(spec):
+    comp = COMPRESSORS[spec]
+    xa, xb = values(1, (1000,), jnp.float32), values(2, (1000,), jnp.float32)
+    (pa, _), (pb, _) = roundtrip(comp, KEY, xa), roundtrip(comp, KEY, xb)
+    summed = jax.tree.map(jnp.add, pa.wire, pb.wire)
+    total = comp.decompress(compjax.Payload(wire=summed, side=pa.side, meta=pa.meta))
+    expect = comp.decompress(pa) + comp.decompress(pb)
+    # Exact in float32; the fp16/bf16 all-reduce rounds the sum in the wire dtype.
+    rtol = 2.0 ** -(jnp.finfo(pa.wire["values"].dtype).nmant)
+    np.testing.assert_allclose(total, expect, rtol=rtol, atol=1e-6)
+
+
+def test_side_information_is_not_counted():
+    comp = compjax.rand_k(k=10, shared_seed=True)
+    payload = comp.compress(KEY, jnp.ones(100))
+    assert "key" in payload.side
+    assert compjax.wire_bits(payload) == 10 * 32
+
+
+def test_gathered_payload_decodes_with_vmap():
+    """A payload with a leading worker axis (as after all_gather) decodes under vmap."""
+    for comp in (compjax.qsgd(4), compjax.blockwise(compjax.terngrad(), 4), compjax.natural()):
+        xs = jnp.stack([values(s, (3, 3), jnp.float32) for s in range(4)])
+        keys = jax.random.split(KEY, 4)
+        gathered = jax.jit(jax.vmap(comp.compress))(keys, xs)
+        assert compjax.wire_bits(gathered) == 4 * comp.bits((3, 3))
+        decoded = jax.jit(jax.vmap(comp.decompress))(gathered)
+        np.testing.assert_allclose(decoded[2], apply(comp, keys[2], xs[2]), rtol=1e-6)

@@ -1,0 +1,224 @@
+"""Unbiased compressors: E C(x) = x, the exact variance, and omega attained.
+
+Every test compares Monte Carlo draws (fixed seeds) with the exact
+per-entry variance from the paper's formula, computed here in float64
+independently of the library:
+
+* the mean is checked by a chi-square test of the standardised errors at
+  false-alarm probability 1e-6;
+* the mean squared error must match the exact total variance within 5
+  standard errors;
+* the exact variance must not exceed ``omega(d) ||x||^2``, and on the extremal
+  vectors of REFERENCES.md it must equal it, so a wrong constant fails.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_mean_error, assert_unbiased, draw
+from hypothesis import given
+from hypothesis import strategies as st
+
+import compjax
+
+D = 32  # one compiled sampler per compressor
+
+
+def vectors(d=D):
+    """Inputs of several shapes of distribution: dense, heavy-tailed, sparse, tied."""
+    return st.builds(_vector, st.integers(0, 2**31), st.sampled_from(range(4)), st.just(d))
+
+
+def _vector(seed, kind, d):
+    rng = np.random.default_rng(seed)
+    if kind == 0:
+        x = rng.standard_normal(d)
+    elif kind == 1:
+        x = rng.standard_cauchy(d)
+    elif kind == 2:
+        x = rng.standard_normal(d) * (rng.random(d) < 0.2)
+    else:
+        x = rng.choice([-1.5, 0.25, 1.0], size=d)
+    return np.asarray(x * 10.0 ** rng.integers(-3, 4), np.float32).astype(np.float64)
+
+
+# -- exact per-entry variances (float64, from the papers' formulas) ----------
+
+
+def qsgd_variance(x, s, bucket=None):
+    bucket = bucket or len(x)
+    var = np.zeros_like(x)
+    for start in range(0, len(x), bucket):
+        block = x[start : start + bucket]
+        norm = np.linalg.norm(block)
+        if norm == 0:
+            continue
+        r = s * np.abs(block) / norm
+        p = r - np.floor(r)
+        var[start : start + bucket] = (norm / s) ** 2 * p * (1 - p)
+    return var
+
+
+def terngrad_variance(x):
+    a = np.abs(x)
+    return a * (a.max() - a)
+
+
+def natural_variance(x):
+    a = np.abs(x)
+    low = np.exp2(np.floor(np.log2(np.where(a > 0, a, 1.0))))
+    return np.where(a > 0, (2 * low - a) * (a - low), 0.0)
+
+
+def rand_k_variance(x, k):
+    return x**2 * (len(x) / k - 1)
+
+
+CASES = {
+    "qsgd(levels=1)": (compjax.qsgd(1), lambda x: qsgd_variance(x, 1)),
+    "qsgd(levels=4)": (compjax.qsgd(4), lambda x: qsgd_variance(x, 4)),
+    "qsgd(levels=4, bucket_size=5)": (
+        compjax.qsgd(4, bucket_size=5),
+        lambda x: qsgd_variance(x, 4, 5),
+    ),
+    "blockwise(qsgd(4), 5)": (
+        compjax.blockwise(compjax.qsgd(4), 5),
+        lambda x: qsgd_variance(x, 4, 5),
+    ),
+    "terngrad()": (compjax.terngrad(), terngrad_variance),
+    "blockwise(terngrad(), 8)": (
+        compjax.blockwise(compjax.terngrad(), 8),
+        lambda x: np.concatenate([terngrad_variance(b) for b in np.split(x, D // 8)]),
+    ),
+    "natural()": (compjax.natural(), natural_variance),
+    "rand_k(k=5)": (compjax.rand_k(k=5), lambda x: rand_k_variance(x, 5)),
+    "rand_k(k=5, shared_seed=True)": (
+        compjax.rand_k(k=5, shared_seed=True),
+        lambda x: rand_k_variance(x, 5),
+    ),
+    "cast('float32')": (compjax.cast("float32"), np.zeros_like),
+    "identity()": (compjax.identity(), np.zeros_like),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@given(x=vectors())
+def test_unbiased_with_exact_variance_below_omega(name, x):
+    comp, variance = CASES[name]
+    assert comp.unbiased
+    var = variance(x)
+    # The formula never exceeds the advertised constant.
+    assert var.sum() <= comp.omega(D) * np.sum(x**2) * (1 + 1e-9)
+    draws = draw(comp, jnp.asarray(x, jnp.float32))
+    assert_unbiased(draws, x, var)
+    assert_mean_error(draws, x, var.sum())
+
+
+def _equal_magnitudes(d):
+    return np.where(np.arange(d) % 3 == 0, -1.0, 1.0)
+
+
+def _terngrad_extremal(d):
+    b = 1.0 / (math.sqrt(d) + 1.0)
+    return np.concatenate([[1.0], np.full(d - 1, b)])
+
+
+# (compressor, extremal x, exact variance): the variance equals omega ||x||^2.
+TIGHT = {
+    # all p_i = 1/2: d = 4 s^2 = 64.
+    "qsgd s=4, d=64, all ones": (compjax.qsgd(4), np.ones(64), lambda x: qsgd_variance(x, 4)),
+    # s = 1, equal magnitudes: sqrt(d) - 1.
+    "qsgd s=1, d=16, equal magnitudes": (
+        compjax.qsgd(1),
+        _equal_magnitudes(16),
+        lambda x: qsgd_variance(x, 1),
+    ),
+    # d < 4 s^2 with every p_i = 1/2: 4 s^2 = 16 = 7 * 1 + 9 (seven y=1/2, one y=3/2).
+    "qsgd s=2, d=8, mixed half-integers": (
+        compjax.qsgd(2),
+        np.array([1, 1, 1, 1, 1, 1, 1, 3], np.float64),
+        lambda x: qsgd_variance(x, 2),
+    ),
+    "terngrad (1, b, ..., b), d=64": (
+        compjax.terngrad(),
+        _terngrad_extremal(64),
+        terngrad_variance,
+    ),
+    "natural at (4/3) 2^a": (
+        compjax.natural(),
+        (4.0 / 3.0) * np.exp2(np.arange(-20, 20, dtype=np.float64)),
+        natural_variance,
+    ),
+    "rand_k(k=3), d=40": (
+        compjax.rand_k(k=3),
+        np.linspace(-2.0, 3.0, 40),
+        lambda x: rand_k_variance(x, 3),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(TIGHT))
+def test_omega_is_attained(name):
+    comp, x, variance = TIGHT[name]
+    x = np.asarray(np.float32(x), np.float64)
+    var = variance(x)
+    bound = comp.omega(len(x)) * np.sum(x**2)
+    np.testing.assert_allclose(var.sum(), bound, rtol=1e-5)
+    draws = draw(comp, jnp.asarray(x, jnp.float32), n=8000)
+    assert_unbiased(draws, x, var)
+    assert_mean_error(draws, x, bound)
+
+
+def test_qsgd_omega_formula():
+    # Regimes of the exact supremum; both below Lemma 3.1's min(d/s^2, sqrt(d)/s).
+    assert compjax.qsgd_omega(64, 4) == 1.0
+    assert compjax.qsgd_omega(16, 1) == 3.0
+    assert compjax.qsgd_omega(8, 2) == 0.5
+    for d in (1, 7, 64, 1000, 10**6):
+        for s in (1, 2, 4, 16, 256):
+            assert compjax.qsgd_omega(d, s) <= min(d / s**2, math.sqrt(d) / s) + 1e-12
+
+
+def test_terngrad_omega_formula():
+    for d in (1, 4, 64, 1000):
+        x = _terngrad_extremal(d)
+        omega_x = np.abs(x).max() * np.abs(x).sum() / np.sum(x**2) - 1
+        np.testing.assert_allclose(omega_x, compjax.terngrad_omega(d), rtol=1e-12)
+
+
+def test_natural_keeps_powers_of_two():
+    x = np.exp2(np.arange(-126, 128, dtype=np.float64)) * np.where(np.arange(254) % 2, -1, 1)
+    draws = draw(compjax.natural(), jnp.asarray(x, jnp.float32), n=64)
+    np.testing.assert_array_equal(draws, np.broadcast_to(x, draws.shape))
+
+
+def test_natural_is_unbiased_on_subnormals():
+    x = np.array([1e-40, -3e-39, 2.0**-130, 5e-45], np.float32).astype(np.float64)
+    var = x * (2.0**-126 - np.abs(x)) * np.sign(x)
+    draws = draw(compjax.natural(), jnp.asarray(x, jnp.float32), n=20000)
+    assert set(np.unique(np.abs(draws))) <= {0.0, 2.0**-126}
+    assert_unbiased(draws, x, np.abs(var))
+
+
+def test_natural_wire_is_the_float32_exponent():
+    x = jnp.array([3.0, -0.75, 0.0, 1.0])
+    payload = compjax.natural().compress(jax.random.key(7), x)
+    assert payload.wire["exponents"].dtype == jnp.uint8
+    assert payload.wire["signs"].dtype == jnp.uint8
+    np.testing.assert_array_equal(np.asarray(payload.wire["signs"]), [0b0010])
+    exps = np.asarray(payload.wire["exponents"]).astype(int) - 127
+    assert exps[0] in (1, 2) and exps[1] in (-1, 0) and exps[3] == 0
+    assert payload.wire["exponents"][2] == 0
+
+
+def test_averaging_workers_divides_variance():
+    """Independent keys: the mean of n compressed copies has variance omega/n."""
+    comp, n = compjax.rand_k(k=4), 8
+    x = np.linspace(-1.0, 2.0, D)
+    draws = draw(comp, jnp.asarray(x, jnp.float32), n=8000).reshape(1000, n, D)
+    mean = draws.mean(axis=1)
+    expected = rand_k_variance(x, 4).sum() / n
+    assert_mean_error(mean, x, expected)
