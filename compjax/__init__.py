@@ -5,6 +5,9 @@ Compressors are immutable values built by the factories below; each has
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 """
 
+from compjax import collectives
+from compjax.accounting import CommunicationReport, communication
+from compjax.collectives import compressed_mean
 from compjax.compressor import Compressor
 from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
@@ -14,15 +17,36 @@ from compjax.compressors.sign import scaled_sign, sign
 from compjax.compressors.sparse import rand_k, top_k
 from compjax.compressors.terngrad import terngrad, terngrad_omega
 from compjax.payload import Payload, wire_bits
+from compjax.transforms.base import state_specs
+from compjax.transforms.compress import CompressState, compress
+from compjax.transforms.diana import DianaState, diana
+from compjax.transforms.ef21 import EF21State, ef21
+from compjax.transforms.error_feedback import ErrorFeedbackState, error_feedback
+from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
+from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicationReport",
+    "CompressState",
     "Compressor",
+    "DianaState",
+    "EF21State",
+    "ErrorFeedbackState",
     "Payload",
+    "SignVoteState",
+    "TernGradState",
     "blockwise",
     "cast",
     "chain",
+    "collectives",
+    "communication",
+    "compress",
+    "compressed_mean",
+    "diana",
+    "ef21",
+    "error_feedback",
     "identity",
     "natural",
     "qsgd",
@@ -31,7 +55,10 @@ __all__ = [
     "scaled",
     "scaled_sign",
     "sign",
+    "sign_majority_vote",
+    "state_specs",
     "terngrad",
+    "terngrad_allreduce",
     "terngrad_omega",
     "top_k",
     "wire_bits",

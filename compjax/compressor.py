@@ -89,6 +89,17 @@ def require_key(key, name: str):
     return key
 
 
+def raw_key(key) -> jax.Array:
+    """The uint32 data of a PRNG key (typed keys are unwrapped; raw keys pass through).
+
+    Raw keys are plain arrays: collectives and serialisation handle them like
+    any other.  ``jax.random`` functions accept them as legacy threefry keys.
+    """
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
 def split_key(key, num: int = 2):
     """``jax.random.split`` that passes ``None`` through (deterministic compressors)."""
     if key is None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor
+from compjax.compressor import Compressor, raw_key
 
 
 def _check_k_ratio(k, ratio) -> None:
@@ -124,6 +124,8 @@ class RandK(Sparsifier):
     def encode(self, key, flat):
         if not self.shared_seed:
             return super().encode(key, flat)
+        # The raw key travels as side information; draw from it on both ends.
+        key = raw_key(key)
         idx = self.indices(key, flat, self.k_for(flat.shape[0]))
         return {"values": flat[idx]}, {"key": key}
 

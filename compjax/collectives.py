@@ -1,0 +1,237 @@
+"""Compressed collectives: the only module of compjax that calls ``jax.lax`` collectives.
+
+Every function takes an ``axis_name``: a mapped axis name, a tuple of names
+(reducing over all of them), or ``None`` for a single worker (no
+communication).  The same code runs under ``jax.pmap``, ``jax.shard_map``
+(on any mesh, reducing over some of its axes), ``jax.vmap(axis_name=...)``
+and multi-process ``jax.distributed`` runs.  compjax never builds meshes.
+
+How a compressed mean travels:
+
+* per-worker randomness is ``jax.random.fold_in(key, worker_index)`` of a key
+  all workers share;
+* ``linear`` compressors (identity, cast, random-k with a shared seed) use the
+  shared key itself, ``psum`` the payload and decode once;
+* every other compressor ``all_gather``-s the payloads, decodes each worker's
+  with ``jax.vmap(decompress)`` and averages;
+* integer reductions where a method allows: the sign majority vote and
+  TernGrad with a shared scaler sum small integers with ``psum``.
+
+Under ``shard_map`` the gathered payloads are marked replicated
+(``all_gather(..., to='invarying')``), so a mean can be returned with
+``out_specs=P()``.
+
+Bits: while a :func:`recording` context is open, every message a worker sends
+is logged with its :func:`compjax.wire_bits` (trace time, from the payload
+arrays themselves).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from compjax import packing
+from compjax.compressor import Compressor
+from compjax.payload import wire_bits
+
+AxisName = str | tuple[str, ...] | None
+
+_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("compjax_bits", default=None)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, int]]]:
+    """Log ``(what, bits)`` for every message sent while tracing inside the context."""
+    log: list[tuple[str, int]] = []
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def _record(what: str, message) -> None:
+    log = _LOG.get()
+    if log is not None:
+        log.append((what, wire_bits(message)))
+
+
+def _names(axis_name: AxisName) -> tuple[str, ...]:
+    if axis_name is None:
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def num_workers(axis_name: AxisName) -> int:
+    """Number of workers along ``axis_name`` (1 for ``None``).
+
+    Raises:
+      ValueError: the axis name is not bound here (not inside ``pmap``,
+        ``shard_map`` or ``vmap`` with that name).
+    """
+    size = 1
+    for name in _names(axis_name):
+        try:
+            size *= jax.lax.axis_size(name)
+        except NameError as err:
+            raise ValueError(
+                f"axis_name {name!r} is not bound: call the update inside jax.pmap, "
+                f"jax.shard_map or jax.vmap over an axis named {name!r} "
+                f"(or pass axis_name=None for a single worker)"
+            ) from err
+    return size
+
+
+def worker_index(axis_name: AxisName) -> jax.Array:
+    """This worker's index along ``axis_name`` (0 for ``None``)."""
+    if axis_name is None:
+        return jnp.int32(0)
+    num_workers(axis_name)  # clear error for an unbound name
+    return jax.lax.axis_index(_names(axis_name))
+
+
+def worker_key(key: jax.Array, axis_name: AxisName) -> jax.Array:
+    """A key of this worker's own: ``fold_in(key, worker_index)``."""
+    if axis_name is None:
+        return key
+    return jax.random.fold_in(key, worker_index(axis_name))
+
+
+def _gather_target(axis_name: AxisName) -> str:
+    # Under shard_map (and pmap) the axes are manual: mark the gathered result
+    # replicated so that callers can return it with out_specs=P().
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return "invarying" if set(_names(axis_name)) <= manual else "varying"
+
+
+def all_gather(tree, axis_name: AxisName):
+    """Stack every worker's ``tree`` on a new leading axis (replicated result)."""
+    names = _names(axis_name)
+    to = _gather_target(axis_name)
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, names, to=to), tree)
+
+
+def psum(tree, axis_name: AxisName):
+    return jax.tree.map(lambda x: jax.lax.psum(x, _names(axis_name)), tree)
+
+
+def pmax(tree, axis_name: AxisName):
+    return jax.tree.map(lambda x: jax.lax.pmax(x, _names(axis_name)), tree)
+
+
+def pmean(tree, axis_name: AxisName):
+    if axis_name is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.pmean(x, _names(axis_name)), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchanged:
+    """Result of a compressed exchange.
+
+    Attributes:
+      mean: the decoded mean over workers (identical on every worker).
+      local: this worker's own decoded message ``C(x)`` (what error feedback
+        subtracts).
+    """
+
+    mean: jax.Array
+    local: jax.Array
+
+
+def compressed_mean(comp: Compressor, key, x: jax.Array, axis_name: AxisName) -> Exchanged:
+    """The mean over workers of ``comp`` applied to each worker's ``x``.
+
+    Args:
+      comp: the compressor.
+      key: a PRNG key shared by all workers; each worker folds in its index
+        unless ``comp.linear`` (shared randomness is what lets payloads sum).
+      x: this worker's array.
+      axis_name: the workers' axis (see the module docstring).
+
+    Returns:
+      :class:`Exchanged` with the mean and this worker's decoded message.
+    """
+    n = num_workers(axis_name)
+    if axis_name is None or n == 1:
+        payload = comp.compress(key, x)
+        _record("payload", payload)
+        local = comp.decompress(payload)
+        return Exchanged(mean=local, local=local)
+    if comp.linear:
+        payload = comp.compress(key, x)
+        _record("payload", payload)
+        summed = dataclasses.replace(payload, wire=psum(dict(payload.wire), axis_name))
+        total = comp.decompress(summed)
+        return Exchanged(mean=(total / n).astype(x.dtype), local=comp.decompress(payload))
+    payload = comp.compress(worker_key(key, axis_name), x)
+    _record("payload", payload)
+    decoded = jax.vmap(comp.decompress)(all_gather(payload, axis_name))
+    mean = jnp.mean(decoded.astype(jnp.float32), axis=0).astype(x.dtype)
+    return Exchanged(mean=mean, local=comp.decompress(payload))
+
+
+def _vote_dtype(n: int):
+    return jnp.int8 if n <= 127 else jnp.int32
+
+
+def sign_vote(x: jax.Array, axis_name: AxisName, via: str = "all_gather") -> jax.Array:
+    """signSGD's majority vote: ``sign(sum_i sign(x_i))`` over workers.
+
+    Args:
+      x: this worker's array (gradient or momentum).
+      axis_name: the workers' axis.
+      via: ``"all_gather"`` sends each worker's signs bit-packed (1 bit per
+        entry, zeros voting +1) and sums the unpacked votes;
+        ``"psum"`` sums ``sign(x)`` as int8 (int32 beyond 127 workers),
+        8 bits per entry on the wire but zeros abstain.
+
+    Returns:
+      The vote, ``-1``, ``0`` (a tie) or ``+1`` per entry, in ``x``'s dtype.
+    """
+    n = num_workers(axis_name)
+    flat = x.reshape(-1)
+    if via == "psum":
+        votes = jnp.sign(flat).astype(_vote_dtype(n))
+        _record("votes", votes)
+        total = psum(votes, axis_name) if axis_name is not None else votes
+        return jnp.sign(total).astype(x.dtype).reshape(x.shape)
+    bits = packing.pack((flat < 0).astype(jnp.uint32), 1)
+    _record("signs", bits)
+    gathered = all_gather(bits, axis_name) if axis_name is not None else bits[None]
+    unpacked = jax.vmap(lambda b: packing.unpack(b, 1, flat.shape[0]))(gathered)
+    total = jnp.sum(1 - 2 * unpacked.astype(jnp.int32), axis=0)
+    return jnp.sign(total).astype(x.dtype).reshape(x.shape)
+
+
+def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Mean over workers of ``scale * codes`` for ternary ``codes`` and a shared ``scale``.
+
+    The ternaries ``-1, 0, +1`` are summed as int8 (int32 beyond 127 workers)
+    with ``psum``: with a scaler every worker shares, the sum of integers is the
+    whole message.
+    """
+    n = num_workers(axis_name)
+    ints = codes.astype(_vote_dtype(n))
+    _record("ternaries", ints)
+    total = psum(ints, axis_name) if axis_name is not None else ints
+    return scale * total.astype(jnp.float32) / n
+
+
+def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Whether ``flag`` is true on any worker (an 8-bit ``pmax``)."""
+    flag = flag.astype(jnp.int8)
+    _record("flag", flag)
+    return (pmax(flag, axis_name) if axis_name is not None else flag) > 0
+
+
+def shared_max(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Maximum over workers (for scalers every worker must share)."""
+    _record("scaler", x)
+    return pmax(x, axis_name) if axis_name is not None else x

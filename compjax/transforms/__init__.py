@@ -1,0 +1,1 @@
+"""Optax gradient transformations built on the compressors and collectives."""

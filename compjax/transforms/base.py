@@ -1,0 +1,148 @@
+"""What every compjax transformation shares: leaves, per-worker state, keys, guards.
+
+Per-worker state (error memory, local shifts) has a leading axis of size 1
+in each worker's view, so that it concatenates into a leading worker axis:
+under ``shard_map`` its global shape is ``(workers, *shape)`` with
+``PartitionSpec(axis)``; under ``pmap`` or ``vmap`` it is ``(workers, 1,
+*shape)``.  State NamedTuples list their per-worker fields in ``PER_WORKER``;
+:func:`state_specs` turns any optimizer state (chains, wrappers) into the
+matching ``PartitionSpec`` tree.
+
+Keys: the state holds a raw uint32 PRNG key shared by all workers, split every
+step; :mod:`compjax.collectives` folds in the worker index where workers need
+independent noise.
+
+Non-finite input: when the aggregated update is not finite (some worker had
+an Inf/NaN gradient, so the mean is non-finite on every worker), the
+transformation returns it as it is but keeps its whole state (error memory,
+shifts, key) unchanged, so nothing is silently poisoned; ``optax.apply_if_finite``
+then skips the step cleanly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
+
+from compjax.compressor import raw_key
+
+
+def init_key(seed: int) -> jax.Array:
+    """A raw uint32 key (plain array: serialisable, all-gatherable)."""
+    return raw_key(jax.random.key(seed))
+
+
+def is_marked(node: Any) -> bool:
+    return isinstance(node, tuple) and hasattr(type(node), "PER_WORKER")
+
+
+def state_specs(state: Any, axis_name) -> Any:
+    """``PartitionSpec``s of an optimizer state for ``jax.shard_map``.
+
+    Per-worker fields of compjax states get ``P(axis_name)`` (their leading
+    worker axis is split across workers); everything else ``P()``
+    (replicated).  Works through ``optax.chain``, ``inject_hyperparams``,
+    ``MultiSteps`` and any other container.
+
+    Args:
+      state: the state, or its shapes (``jax.eval_shape(opt.init, params)``).
+      axis_name: the data-parallel axis (a name or a tuple of names).
+
+    Returns:
+      A pytree of ``PartitionSpec`` with the state's structure, usable as
+      ``in_specs``/``out_specs`` of ``jax.shard_map``.
+    """
+    split = jax.P(axis_name)
+    replicated = jax.P()
+
+    def spec(node):
+        if is_marked(node):
+            fields = [
+                jax.tree.map(lambda _, s=split if f in node.PER_WORKER else replicated: s, v)
+                for f, v in zip(node._fields, node, strict=True)
+            ]
+            return type(node)(*fields)
+        return replicated
+
+    return jax.tree.map(spec, state, is_leaf=is_marked)
+
+
+class Leaves:
+    """The arrays a transformation works on: each leaf, or the whole tree flattened.
+
+    Args:
+      tree: the updates (or params) pytree.
+      flatten: treat the tree as one vector (one compressor call, one scale)
+        instead of compressing layer by layer.
+    """
+
+    def __init__(self, tree: Any, flatten: bool):
+        self.flatten = flatten
+        if flatten:
+            flat, self._unravel = ravel_pytree(tree)
+            self.arrays = [flat]
+        else:
+            self.arrays, self._treedef = jax.tree.flatten(tree)
+
+    def rebuild(self, arrays: Sequence[jax.Array]) -> Any:
+        """Inverse: a list of arrays like :attr:`arrays` back into the tree."""
+        if self.flatten:
+            return self._unravel(arrays[0])
+        return jax.tree.unflatten(self._treedef, list(arrays))
+
+    def worker_state(self, fill: Callable[[jax.Array], jax.Array] = jnp.zeros_like) -> Any:
+        """Per-worker state: ``fill(leaf)`` with a leading axis of size 1."""
+        arrays = [fill(a)[None] for a in self.arrays]
+        return arrays[0] if self.flatten else jax.tree.unflatten(self._treedef, arrays)
+
+    def shared_state(self, fill: Callable[[jax.Array], jax.Array] = jnp.zeros_like) -> Any:
+        arrays = [fill(a) for a in self.arrays]
+        return arrays[0] if self.flatten else jax.tree.unflatten(self._treedef, arrays)
+
+    def read(self, state_tree: Any, name: str, per_worker: bool) -> list[jax.Array]:
+        """The arrays of a state field, checked against the updates' structure.
+
+        Raises:
+          ValueError: the state was built for another params structure.
+        """
+        if self.flatten:
+            arrays = [state_tree]
+        else:
+            arrays, treedef = jax.tree.flatten(state_tree)
+            if treedef != self._treedef:
+                raise ValueError(
+                    f"state field {name!r} has structure {treedef} but the updates have "
+                    f"{self._treedef}: was the optimizer state initialised for other params?"
+                )
+        lead = (1,) if per_worker else ()
+        for got, leaf in zip(arrays, self.arrays, strict=True):
+            if got.shape != lead + leaf.shape:
+                raise ValueError(
+                    f"state field {name!r} has a leaf of shape {got.shape} where the updates "
+                    f"need {lead + leaf.shape}: was the optimizer state initialised for other "
+                    f"params?"
+                )
+        return [a[0] for a in arrays] if per_worker else arrays
+
+    def write(self, arrays: Sequence[jax.Array], per_worker: bool) -> Any:
+        arrays = [a[None] for a in arrays] if per_worker else list(arrays)
+        return arrays[0] if self.flatten else jax.tree.unflatten(self._treedef, arrays)
+
+
+def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:
+    """The next state key and one key per leaf for this step."""
+    next_key, step = jax.random.split(key)
+    return next_key, list(jax.random.split(step, num))
+
+
+def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
+
+
+def keep_if(ok: jax.Array, new_state: Any, old_state: Any) -> Any:
+    """``new_state`` where ``ok`` else ``old_state`` (leafwise)."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)

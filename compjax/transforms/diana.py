@@ -1,0 +1,104 @@
+"""DIANA: compress gradient differences against learned shifts.
+
+References:
+  Mishchenko, Gorbunov, Takac, Richtarik, "Distributed Learning with
+  Compressed Gradient Differences", arXiv:1901.09269 (Algorithm 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from compjax.collectives import AxisName, compressed_mean
+from compjax.compressor import Compressor
+from compjax.transforms.base import Leaves, all_finite, init_key, keep_if, step_keys
+
+
+class DianaState(NamedTuple):
+    """State of :func:`diana`.
+
+    Attributes:
+      key: shared PRNG key (raw uint32).
+      local_shift: per-worker shifts ``h_i``.
+      shift: the shared shift ``h = mean_i h_i``.
+    """
+
+    key: jax.Array
+    local_shift: Any
+    shift: Any
+    PER_WORKER = ("local_shift",)
+
+
+def diana(
+    comp: Compressor,
+    axis_name: AxisName,
+    alpha: float | jax.Array | None = None,
+    *,
+    flatten: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """DIANA: ``m_i = C(g_i - h_i)``, update ``h + mean_i m_i``, ``h_i <- h_i + alpha m_i``.
+
+    The shared ``h`` moves by ``alpha mean_i m_i`` so that it stays the mean of
+    the ``h_i``.  With a full gradient and a strongly convex objective the
+    shifts learn the local gradients at the optimum and the method converges
+    linearly to the exact optimum, where plain compressed GD stalls at a
+    neighbourhood of size ``~ (omega/n) mean_i ||grad f_i(x*)||^2``.
+
+    Args:
+      comp: an unbiased compressor.
+      axis_name: the data-parallel axis.
+      alpha: shift step size; default ``1/(omega(d) + 1)`` for each leaf of
+        ``d`` entries (the theory's largest).  May be a schedule value under
+        ``optax.inject_hyperparams``.
+      flatten: compress the whole tree as one vector.
+      seed: seed of the shared key.
+
+    Raises:
+      ValueError: ``alpha`` not in ``(0, 1]``, or ``alpha=None`` with a
+        compressor that has no ``omega``.
+
+    References:
+      Mishchenko et al., "Distributed Learning with Compressed Gradient
+      Differences", arXiv:1901.09269.
+    """
+    if alpha is None and not comp.unbiased:
+        raise ValueError(
+            f"alpha: {comp!r} is biased and has no omega to derive alpha = 1/(omega + 1) "
+            f"from; pass alpha explicitly"
+        )
+    if isinstance(alpha, int | float) and not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+
+    def step_size(d: int):
+        return 1.0 / (comp.omega(d) + 1.0) if alpha is None else alpha
+
+    def init_fn(params):
+        leaves = Leaves(params, flatten)
+        return DianaState(
+            key=init_key(seed), local_shift=leaves.worker_state(), shift=leaves.shared_state()
+        )
+
+    def update_fn(updates, state, params=None):
+        leaves = Leaves(updates, flatten)
+        local = leaves.read(state.local_shift, "local_shift", per_worker=True)
+        shift = leaves.read(state.shift, "shift", per_worker=False)
+        key, keys = step_keys(state.key, len(leaves.arrays))
+        out, new_local, new_shift = [], [], []
+        for k, g, hi, h in zip(keys, leaves.arrays, local, shift, strict=True):
+            a = step_size(g.size)
+            m = compressed_mean(comp, k, g - hi, axis_name)
+            out.append(h + m.mean)
+            new_local.append((hi + a * m.local).astype(hi.dtype))
+            new_shift.append((h + a * m.mean).astype(h.dtype))
+        new_state = DianaState(
+            key=key,
+            local_shift=leaves.write(new_local, per_worker=True),
+            shift=leaves.write(new_shift, per_worker=False),
+        )
+        return leaves.rebuild(out), keep_if(all_finite(out), new_state, state)
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,88 @@
+"""signSGD and Signum with majority vote.
+
+References:
+  Bernstein, Wang, Azizzadenesheli, Anandkumar, "signSGD: Compressed
+  Optimisation for Non-Convex Problems", ICML 2018 (Algorithms 1 and 3).
+  Bernstein, Zhao, Azizzadenesheli, Anandkumar, "signSGD with Majority Vote
+  is Communication Efficient and Fault Tolerant", ICLR 2019.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import optax
+
+from compjax.collectives import AxisName, any_worker, sign_vote
+from compjax.transforms.base import Leaves, all_finite, keep_if
+
+_VIA = ("all_gather", "psum")
+
+
+class SignVoteState(NamedTuple):
+    """State of :func:`sign_majority_vote`.
+
+    Attributes:
+      momentum: per-worker momentum (Signum), or ``None`` for signSGD.
+    """
+
+    momentum: Any
+    PER_WORKER = ("momentum",)
+
+
+def sign_majority_vote(
+    axis_name: AxisName,
+    momentum: float | None = None,
+    *,
+    via: str = "all_gather",
+    flatten: bool = False,
+) -> optax.GradientTransformation:
+    """Each worker sends ``sign(g_i)`` (or the sign of its momentum); the update is the vote.
+
+    The update is ``sign(sum_i sign(v_i))``: ``-1``, ``0`` (tie) or ``+1`` per
+    entry; follow it with ``optax.sgd(lr)`` for signSGD.  With ``momentum =
+    beta`` each worker keeps ``v_i <- beta v_i + (1 - beta) g_i`` (Signum).
+
+    Non-finite input: if any worker's gradient has an Inf/NaN, the update is
+    NaN on every worker (a vote would hide it) and the momenta are kept.
+
+    Args:
+      axis_name: the data-parallel axis.
+      momentum: Signum's ``beta`` in ``[0, 1)``, or ``None`` (signSGD).
+      via: ``"all_gather"``: signs bit-packed, 1 bit per entry, a zero votes
+        +1; ``"psum"``: int8 signs summed, 8 bits per entry, zeros abstain.
+      flatten: treat the tree as one vector (changes nothing but the layout).
+
+    Raises:
+      ValueError: ``momentum`` outside ``[0, 1)`` or an unknown ``via``.
+
+    References:
+      Bernstein et al., "signSGD with Majority Vote is Communication Efficient
+      and Fault Tolerant", ICLR 2019.
+    """
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1) or None, got {momentum!r}")
+    if via not in _VIA:
+        raise ValueError(f"via must be one of {_VIA}, got {via!r}")
+
+    def init_fn(params):
+        if momentum is None:
+            return SignVoteState(momentum=None)
+        return SignVoteState(momentum=Leaves(params, flatten).worker_state())
+
+    def update_fn(updates, state, params=None):
+        leaves = Leaves(updates, flatten)
+        bad = any_worker(~all_finite(leaves.arrays), axis_name)
+        if momentum is None:
+            voted, new_state = leaves.arrays, state
+        else:
+            old = leaves.read(state.momentum, "momentum", per_worker=True)
+            voted = [
+                momentum * v + (1.0 - momentum) * g for v, g in zip(old, leaves.arrays, strict=True)
+            ]
+            new_state = SignVoteState(momentum=leaves.write(voted, per_worker=True))
+        out = [jnp.where(bad, jnp.nan, sign_vote(v, axis_name, via)) for v in voted]
+        return leaves.rebuild(out), keep_if(~bad, new_state, state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
