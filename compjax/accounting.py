@@ -4,7 +4,9 @@ The transformation's update is traced abstractly (``jax.eval_shape``, nothing
 runs) under ``jax.vmap`` with the axis name bound, while
 :func:`compjax.collectives.recording` logs the wire bits of every message
 each worker sends: payloads with their scales and indices, integer votes,
-shared scalers, flags.
+shared scalers, flags.  Each compjax transformation counts one round per
+step even where a wrapper traces it twice; under ``optax.MultiSteps(k)`` a
+round happens every ``k`` steps, so divide by ``k`` for the per-step mean.
 """
 
 from __future__ import annotations
@@ -68,7 +70,13 @@ def communication(
                 lambda s: jax.ShapeDtypeStruct((num_workers, *s.shape), s.dtype), shapes
             )
             jax.eval_shape(jax.vmap(step, axis_name=axis_name), batched)
+    messages, seen = [], set()
+    for owner, sent in log:
+        if owner is not None and owner in seen:
+            continue  # the same transformation traced again (e.g. by MultiSteps)
+        seen.add(owner)
+        messages.extend(sent)
     dense = sum(32 * int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
     return CommunicationReport(
-        bits_per_worker=sum(b for _, b in log), dense_bits=dense, messages=tuple(log)
+        bits_per_worker=sum(b for _, b in messages), dense_bits=dense, messages=tuple(messages)
     )

@@ -43,12 +43,20 @@ from compjax.payload import wire_bits
 AxisName = str | tuple[str, ...] | None
 
 _LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("compjax_bits", default=None)
+_ROUND: contextvars.ContextVar[list | None] = contextvars.ContextVar("compjax_round", default=None)
 
 
 @contextlib.contextmanager
-def recording() -> Iterator[list[tuple[str, int]]]:
-    """Log ``(what, bits)`` for every message sent while tracing inside the context."""
-    log: list[tuple[str, int]] = []
+def recording() -> Iterator[list[tuple[object, list[tuple[str, int]]]]]:
+    """Log the messages sent while tracing inside the context.
+
+    The log is a list of ``(owner, messages)`` rounds, ``messages`` being
+    ``(kind, bits)`` pairs; a round is one call of an update marked with
+    :func:`exchange_round` (``owner`` identifies the transformation), and a
+    collective called outside any round forms a round of its own
+    (``owner=None``).
+    """
+    log: list = []
     token = _LOG.set(log)
     try:
         yield log
@@ -56,10 +64,32 @@ def recording() -> Iterator[list[tuple[str, int]]]:
         _LOG.reset(token)
 
 
+@contextlib.contextmanager
+def exchange_round(owner: object) -> Iterator[None]:
+    """Group the messages sent inside into one round of ``owner``."""
+    log = _LOG.get()
+    if log is None:
+        yield
+        return
+    messages: list[tuple[str, int]] = []
+    log.append((owner, messages))
+    token = _ROUND.set(messages)
+    try:
+        yield
+    finally:
+        _ROUND.reset(token)
+
+
 def _record(what: str, message) -> None:
     log = _LOG.get()
-    if log is not None:
-        log.append((what, wire_bits(message)))
+    if log is None:
+        return
+    entry = (what, wire_bits(message))
+    current = _ROUND.get()
+    if current is None:
+        log.append((None, [entry]))
+    else:
+        current.append(entry)
 
 
 def _names(axis_name: AxisName) -> tuple[str, ...]:
@@ -110,25 +140,37 @@ def _gather_target(axis_name: AxisName) -> str:
     return "invarying" if set(_names(axis_name)) <= manual else "varying"
 
 
+def _bound_names(axis_name: AxisName) -> tuple[str, ...]:
+    """The names of ``axis_name``, after checking each is bound (clear error if not)."""
+    num_workers(axis_name)
+    return _names(axis_name)
+
+
 def all_gather(tree, axis_name: AxisName):
-    """Stack every worker's ``tree`` on a new leading axis (replicated result)."""
-    names = _names(axis_name)
+    """Stack every worker's ``tree`` on a new leading axis (replicated result).
+
+    Over a tuple of names the gathers run innermost name first, so the
+    leading axis is ordered like ``jax.lax.axis_index(names)``.
+    """
+    names = _bound_names(axis_name)
     to = _gather_target(axis_name)
-    return jax.tree.map(lambda x: jax.lax.all_gather(x, names, to=to), tree)
+
+    def gather(x):
+        for name in reversed(names):
+            x = jax.lax.all_gather(x, name, to=to)
+        return x.reshape((-1, *x.shape[len(names) :]))
+
+    return jax.tree.map(gather, tree)
 
 
 def psum(tree, axis_name: AxisName):
-    return jax.tree.map(lambda x: jax.lax.psum(x, _names(axis_name)), tree)
+    names = _bound_names(axis_name)
+    return jax.tree.map(lambda x: jax.lax.psum(x, names), tree)
 
 
 def pmax(tree, axis_name: AxisName):
-    return jax.tree.map(lambda x: jax.lax.pmax(x, _names(axis_name)), tree)
-
-
-def pmean(tree, axis_name: AxisName):
-    if axis_name is None:
-        return tree
-    return jax.tree.map(lambda x: jax.lax.pmean(x, _names(axis_name)), tree)
+    names = _bound_names(axis_name)
+    return jax.tree.map(lambda x: jax.lax.pmax(x, names), tree)
 
 
 @dataclasses.dataclass(frozen=True)

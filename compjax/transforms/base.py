@@ -12,15 +12,17 @@ Keys: the state holds a raw uint32 PRNG key shared by all workers, split every
 step; :mod:`compjax.collectives` folds in the worker index where workers need
 independent noise.
 
-Non-finite input: when the aggregated update is not finite (some worker had
-an Inf/NaN gradient, so the mean is non-finite on every worker), the
-transformation returns it as it is but keeps its whole state (error memory,
-shifts, key) unchanged, so nothing is silently poisoned; ``optax.apply_if_finite``
+Non-finite input: if any worker's update holds an Inf or NaN (one 8-bit
+flag per step is reduced with ``pmax``), the transformation returns an update
+of NaNs on every worker and keeps its whole state (error memory, shifts, key)
+unchanged.  Nothing is silently poisoned (top-k could otherwise drop the NaN
+from the message while keeping it in the memory), and ``optax.apply_if_finite``
 then skips the step cleanly.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +30,23 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
+from compjax.collectives import any_worker, exchange_round
 from compjax.compressor import raw_key
+
+
+def counted(update_fn: Callable) -> Callable:
+    """Mark one call of ``update_fn`` as one communication round (for accounting).
+
+    Wrappers that trace an update more than once (``optax.MultiSteps``) then
+    still count the messages of one round.
+    """
+
+    @functools.wraps(update_fn)
+    def update(updates, state, params=None):
+        with exchange_round(update):
+            return update_fn(updates, state, params)
+
+    return update
 
 
 def init_key(seed: int) -> jax.Array:
@@ -143,6 +161,12 @@ def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
 
 
-def keep_if(ok: jax.Array, new_state: Any, old_state: Any) -> Any:
-    """``new_state`` where ``ok`` else ``old_state`` (leafwise)."""
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, old_state)
+def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> jax.Array:
+    """Whether any worker's ``arrays`` hold an Inf or NaN (same answer on every worker)."""
+    return any_worker(~all_finite(arrays), axis_name)
+
+
+def guarded(bad: jax.Array, out: list[jax.Array], new_state: Any, old_state: Any):
+    """NaN updates and the old state where ``bad``; else the new ones."""
+    out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
+    return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)

@@ -18,7 +18,7 @@ import optax
 
 from compjax.collectives import AxisName, compressed_mean
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, all_finite, init_key, keep_if, step_keys
+from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
 
 
 class CompressState(NamedTuple):
@@ -52,11 +52,13 @@ def compress(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
+        bad = any_non_finite(leaves.arrays, axis_name)
         key, keys = step_keys(state.key, len(leaves.arrays))
         out = [
             compressed_mean(comp, k, g, axis_name).mean
             for k, g in zip(keys, leaves.arrays, strict=True)
         ]
-        return leaves.rebuild(out), keep_if(all_finite(out), CompressState(key), state)
+        out, new_state = guarded(bad, out, CompressState(key), state)
+        return leaves.rebuild(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, counted(update_fn))

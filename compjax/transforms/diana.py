@@ -14,7 +14,7 @@ import optax
 
 from compjax.collectives import AxisName, compressed_mean
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, all_finite, init_key, keep_if, step_keys
+from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
 
 
 class DianaState(NamedTuple):
@@ -84,6 +84,7 @@ def diana(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
+        bad = any_non_finite(leaves.arrays, axis_name)
         local = leaves.read(state.local_shift, "local_shift", per_worker=True)
         shift = leaves.read(state.shift, "shift", per_worker=False)
         key, keys = step_keys(state.key, len(leaves.arrays))
@@ -99,6 +100,7 @@ def diana(
             local_shift=leaves.write(new_local, per_worker=True),
             shift=leaves.write(new_shift, per_worker=False),
         )
-        return leaves.rebuild(out), keep_if(all_finite(out), new_state, state)
+        out, new_state = guarded(bad, out, new_state, state)
+        return leaves.rebuild(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, counted(update_fn))

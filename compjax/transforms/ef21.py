@@ -14,7 +14,7 @@ import optax
 
 from compjax.collectives import AxisName, compressed_mean
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, all_finite, init_key, keep_if, step_keys
+from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
 
 
 class EF21State(NamedTuple):
@@ -61,6 +61,7 @@ def ef21(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
+        bad = any_non_finite(leaves.arrays, axis_name)
         local = leaves.read(state.local, "local", per_worker=True)
         estimate = leaves.read(state.estimate, "estimate", per_worker=False)
         key, keys = step_keys(state.key, len(leaves.arrays))
@@ -74,6 +75,7 @@ def ef21(
             local=leaves.write(new_local, per_worker=True),
             estimate=leaves.write(new_estimate, per_worker=False),
         )
-        return leaves.rebuild(new_estimate), keep_if(all_finite(new_estimate), new_state, state)
+        new_estimate, new_state = guarded(bad, new_estimate, new_state, state)
+        return leaves.rebuild(new_estimate), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, counted(update_fn))

@@ -15,7 +15,7 @@ import optax
 
 from compjax.collectives import AxisName, compressed_mean
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, all_finite, init_key, keep_if, step_keys
+from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -59,6 +59,7 @@ def error_feedback(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
+        bad = any_non_finite(leaves.arrays, axis_name)
         errors = leaves.read(state.error, "error", per_worker=True)
         key, keys = step_keys(state.key, len(leaves.arrays))
         out, new_errors = [], []
@@ -68,6 +69,7 @@ def error_feedback(
             out.append(sent.mean)
             new_errors.append(p - sent.local)
         new_state = ErrorFeedbackState(key=key, error=leaves.write(new_errors, per_worker=True))
-        return leaves.rebuild(out), keep_if(all_finite(out), new_state, state)
+        out, new_state = guarded(bad, out, new_state, state)
+        return leaves.rebuild(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, counted(update_fn))

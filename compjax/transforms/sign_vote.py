@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, any_worker, sign_vote
-from compjax.transforms.base import Leaves, all_finite, keep_if
+from compjax.collectives import AxisName, sign_vote
+from compjax.transforms.base import Leaves, any_non_finite, counted, guarded
 
 _VIA = ("all_gather", "psum")
 
@@ -73,7 +72,7 @@ def sign_majority_vote(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
-        bad = any_worker(~all_finite(leaves.arrays), axis_name)
+        bad = any_non_finite(leaves.arrays, axis_name)
         if momentum is None:
             voted, new_state = leaves.arrays, state
         else:
@@ -82,7 +81,8 @@ def sign_majority_vote(
                 momentum * v + (1.0 - momentum) * g for v, g in zip(old, leaves.arrays, strict=True)
             ]
             new_state = SignVoteState(momentum=leaves.write(voted, per_worker=True))
-        out = [jnp.where(bad, jnp.nan, sign_vote(v, axis_name, via)) for v in voted]
-        return leaves.rebuild(out), keep_if(~bad, new_state, state)
+        out = [sign_vote(v, axis_name, via) for v in voted]
+        out, new_state = guarded(bad, out, new_state, state)
+        return leaves.rebuild(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, counted(update_fn))

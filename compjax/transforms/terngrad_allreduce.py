@@ -16,7 +16,7 @@ import optax
 
 from compjax.collectives import AxisName, compressed_mean, shared_max, ternary_mean, worker_key
 from compjax.compressors.terngrad import clip_to_std, ternarize, ternary_values, terngrad
-from compjax.transforms.base import Leaves, all_finite, init_key, keep_if, step_keys
+from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
 
 
 class TernGradState(NamedTuple):
@@ -75,8 +75,10 @@ def terngrad_allreduce(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
+        bad = any_non_finite(leaves.arrays, axis_name)
         key, keys = step_keys(state.key, len(leaves.arrays))
         out = [mean_of(k, g) for k, g in zip(keys, leaves.arrays, strict=True)]
-        return leaves.rebuild(out), keep_if(all_finite(out), TernGradState(key), state)
+        out, new_state = guarded(bad, out, TernGradState(key), state)
+        return leaves.rebuild(out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformation(init_fn, counted(update_fn))

@@ -1,0 +1,163 @@
+"""The computation shared by the multi-process test and its single-process reference.
+
+Run as a script, this is one process of a ``jax.distributed`` job on
+127.0.0.1 (gloo CPU collectives, 2 CPU devices per process)::
+
+    python tests/multiprocess_worker.py --process-id 0 --num-processes 2 \\
+        --port 12345 --out updates.npz
+
+Imported (by ``tests/test_multiprocess.py``), :func:`run` computes the same
+updates on any mesh of the current process, e.g. 4 of its simulated devices.
+Every worker's gradient depends only on its index and the step, so the two
+runs must agree.
+"""
+
+import os
+
+if __name__ == "__main__":
+    # As a worker: 2 CPU devices in this process, requested before jax is imported.
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+
+import argparse
+import sys
+import traceback
+from collections.abc import Callable
+
+import jax
+import numpy as np
+import optax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+
+import compjax
+
+P = jax.P
+AXIS = "data"
+WORKERS = 4
+STEPS = 3
+SHAPES = {"w": (5, 3), "b": (3,)}
+INIT_TIMEOUT_S = 60
+
+
+def transforms() -> dict[str, optax.GradientTransformation]:
+    """The transformations under test, covering the all_gather and psum paths."""
+    return {
+        "compress_qsgd": compjax.compress(compjax.qsgd(levels=4), AXIS),
+        "compress_rand_k_shared": compjax.compress(
+            compjax.rand_k(ratio=0.5, shared_seed=True), AXIS
+        ),
+        "error_feedback_top_k": compjax.error_feedback(compjax.top_k(ratio=0.3), AXIS),
+        "diana_qsgd": compjax.diana(compjax.qsgd(levels=4), AXIS),
+        "ef21_top_k": compjax.ef21(compjax.top_k(ratio=0.3), AXIS),
+        "sign_vote": compjax.sign_majority_vote(AXIS),
+        "signum_psum": compjax.sign_majority_vote(AXIS, momentum=0.9, via="psum"),
+        "terngrad_allreduce": compjax.terngrad_allreduce(AXIS),
+    }
+
+
+def worker_grads(worker: int, step: int) -> dict[str, np.ndarray]:
+    """Worker ``worker``'s gradient at ``step``: a fixed function of the two."""
+    rng = np.random.default_rng([123, worker, step])
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+
+
+def global_grads(step: int) -> dict[str, np.ndarray]:
+    """All workers' gradients at ``step``, concatenated on the leading axis."""
+    per_worker = [worker_grads(w, step) for w in range(WORKERS)]
+    return {name: np.concatenate([g[name] for g in per_worker]) for name in SHAPES}
+
+
+def to_global(tree, mesh: Mesh, spec) -> dict[str, jax.Array]:
+    """Host arrays as global jax arrays with ``spec``: each process fills its own shards."""
+    sharding = NamedSharding(mesh, spec)
+    return {
+        name: jax.make_array_from_callback(x.shape, sharding, lambda index, x=x: x[index])
+        for name, x in tree.items()
+    }
+
+
+def to_host(tree) -> dict[str, np.ndarray]:
+    """Global jax arrays, possibly spread over processes, as full numpy arrays."""
+    return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=True))
+
+
+def compiled(tx: optax.GradientTransformation, mesh: Mesh, params) -> tuple[Callable, Callable]:
+    """``(init, update)`` of ``tx`` as jitted ``shard_map``s over ``mesh``."""
+    specs = compjax.state_specs(jax.eval_shape(tx.init, params), AXIS)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    update = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(g, s),
+            mesh=mesh,
+            in_specs=(P(AXIS), specs),
+            out_specs=(P(), specs),
+        )
+    )
+    return init, update
+
+
+def run_one(tx: optax.GradientTransformation, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
+    """Updates of ``steps`` steps and the final state's leaves, as ``{name: array}``."""
+    params = to_global({k: np.zeros(s, np.float32) for k, s in SHAPES.items()}, mesh, P())
+    init, update = compiled(tx, mesh, params)
+    state = init(params)
+    out = {}
+    for step in range(steps):
+        updates, state = update(to_global(global_grads(step), mesh, P(AXIS)), state)
+        for name, x in to_host(updates).items():
+            out[f"step{step}/{name}"] = x
+    for i, leaf in enumerate(jax.tree.leaves(to_host(state))):
+        out[f"state/{i}"] = leaf
+    return out
+
+
+def run(mesh: Mesh, steps: int = STEPS) -> dict[str, np.ndarray]:
+    """Every transformation's results on ``mesh`` (``WORKERS`` devices on axis ``AXIS``)."""
+    if mesh.shape != {AXIS: WORKERS}:
+        raise ValueError(f"expected a mesh {{{AXIS!r}: {WORKERS}}}, got {dict(mesh.shape)}")
+    return {
+        f"{label}/{key}": value
+        for label, tx in transforms().items()
+        for key, value in run_one(tx, mesh, steps).items()
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line of one worker process."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, default=2)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--out", required=True, help="the .npz file to write (process 0)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Join the loopback job, run every transformation; process 0 writes the results.
+
+    On an error the traceback is printed and the process exits at once, rather
+    than waiting in ``jax.distributed.shutdown`` for a peer that may never come.
+    """
+    args = parse_args(argv)
+    address = f"127.0.0.1:{args.port}"
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        coordinator_bind_address=address,
+        initialization_timeout=INIT_TIMEOUT_S,
+    )
+    try:
+        results = run(jax.make_mesh((WORKERS,), (AXIS,)))
+        if args.process_id == 0:
+            np.savez(args.out, **results)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

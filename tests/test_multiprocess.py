@@ -1,0 +1,122 @@
+"""A real multi-process run: two ``jax.distributed`` processes agree with one process.
+
+Two worker processes (``tests/multiprocess_worker.py``) join a job on
+127.0.0.1 with gloo CPU collectives, 2 devices each, and run the
+transformations over a 4-device global mesh.  Their updates (and final
+states) must equal those of the same code on 4 devices of this process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from multiprocess_worker import STEPS, WORKERS, run
+
+WORKER = Path(__file__).with_name("multiprocess_worker.py")
+NUM_PROCESSES = 2
+TIMEOUT_S = 120
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the time of asking)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(out: Path, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
+    """Start every worker process, each with its output going to a log file."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    workers = []
+    for i in range(NUM_PROCESSES):
+        log = logs / f"worker{i}.log"
+        cmd = [sys.executable, str(WORKER), "--process-id", str(i)]
+        cmd += ["--num-processes", str(NUM_PROCESSES), "--port", str(port), "--out", str(out)]
+        with log.open("wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        workers.append((proc, log))
+    return workers
+
+
+def wait_all(workers: list[tuple[subprocess.Popen, Path]], timeout: float) -> str | None:
+    """Wait for every worker; ``None`` if all succeed, else why not (workers then killed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [proc.poll() for proc, _ in workers]
+        if any(code not in (None, 0) for code in codes):
+            return f"a worker failed (exit codes {codes})"
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.1)
+    return f"timed out after {timeout} s"
+
+
+def kill_all(workers: list[tuple[subprocess.Popen, Path]]) -> None:
+    """Kill the workers still running and reap them all."""
+    for proc, _ in workers:
+        if proc.poll() is None:
+            proc.kill()
+    for proc, _ in workers:
+        proc.wait()
+
+
+def report(workers: list[tuple[subprocess.Popen, Path]]) -> str:
+    """Every worker's exit code and output."""
+    parts = []
+    for i, (proc, log) in enumerate(workers):
+        text = log.read_text(errors="replace")
+        parts.append(f"--- worker {i} (exit code {proc.returncode}) ---\n{text}")
+    return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory) -> dict[str, np.ndarray]:
+    """Results of the two-process run."""
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    out = tmp / "results.npz"
+    workers = start_workers(out, tmp)
+    try:
+        failure = wait_all(workers, TIMEOUT_S)
+    finally:
+        kill_all(workers)
+    if failure is not None:
+        pytest.fail(f"{failure}\n{report(workers)}", pytrace=False)
+    with np.load(out) as data:
+        return dict(data)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, np.ndarray]:
+    """Results of the same computation on 4 devices of this process."""
+    mesh = jax.make_mesh((WORKERS,), ("data",), devices=jax.devices()[:WORKERS])
+    return run(mesh)
+
+
+def test_reference_is_not_trivial(reference):
+    """Updates are non-zero and change from step to step, so the comparison means something."""
+    for key, value in reference.items():
+        if "/step" in key:
+            assert np.all(np.isfinite(value)), key
+            assert np.any(value != 0), key
+    for key in reference:
+        if "/step0/" in key:
+            later = [reference[key.replace("/step0/", f"/step{s}/")] for s in range(1, STEPS)]
+            assert not all(np.array_equal(reference[key], x) for x in later), key
+
+
+def test_two_processes_match_one(distributed, reference):
+    """Every update of every step, and the final states, equal the single-process ones."""
+    assert sorted(distributed) == sorted(reference)
+    for key in sorted(reference):
+        assert distributed[key].dtype == reference[key].dtype, key
+        np.testing.assert_allclose(distributed[key], reference[key], rtol=1e-6, err_msg=key)

@@ -1,0 +1,263 @@
+"""The optax transformations: identical under vmap, pmap and shard_map, and correct.
+
+Worker counts and shapes are fixed so that each transformation compiles a
+bounded number of times.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+import compjax
+
+P = jax.P
+N = 8
+PARAMS = {"w": jnp.ones((5, 3)), "b": jnp.zeros(3)}
+
+TRANSFORMS = {
+    "compress(qsgd)": lambda ax: compjax.compress(compjax.qsgd(4), ax),
+    "compress(rand_k shared)": lambda ax: compjax.compress(
+        compjax.rand_k(ratio=0.5, shared_seed=True), ax
+    ),
+    "compress(cast)": lambda ax: compjax.compress(compjax.cast("bfloat16"), ax),
+    "error_feedback(top_k)": lambda ax: compjax.error_feedback(compjax.top_k(ratio=0.3), ax),
+    "error_feedback(scaled_sign, flatten)": lambda ax: compjax.error_feedback(
+        compjax.scaled_sign(), ax, flatten=True
+    ),
+    "ef21(top_k)": lambda ax: compjax.ef21(compjax.top_k(ratio=0.3), ax),
+    "diana(qsgd)": lambda ax: compjax.diana(compjax.qsgd(2), ax),
+    "sign_majority_vote(momentum)": lambda ax: compjax.sign_majority_vote(ax, momentum=0.9),
+    "sign_majority_vote(psum)": lambda ax: compjax.sign_majority_vote(ax, via="psum"),
+    "terngrad_allreduce": lambda ax: compjax.terngrad_allreduce(ax),
+    "terngrad_allreduce(own scalers)": lambda ax: compjax.terngrad_allreduce(
+        ax, share_scaler=False
+    ),
+}
+
+
+def worker_grads(n, step=0, params=PARAMS):
+    """Deterministic gradients with a leading worker axis."""
+    key = jax.random.fold_in(jax.random.key(42), step)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree.unflatten(
+        treedef, [jax.random.normal(k, (n, *p.shape)) for k, p in zip(keys, leaves, strict=True)]
+    )
+
+
+def run_vmap(tx, grads_per_step, n, axis="data"):
+    """Run ``tx`` for several steps with workers simulated by ``vmap``."""
+    state = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(n))
+    step = jax.jit(jax.vmap(tx.update, axis_name=axis))
+    outs = []
+    for grads in grads_per_step:
+        upd, state = step(grads, state)
+        outs.append(jax.tree.map(lambda u: u[0], upd))
+    return outs, state
+
+
+def run_pmap(tx, grads_per_step, n):
+    state = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(n))
+    step = jax.pmap(tx.update, axis_name="data")
+    outs = []
+    for grads in grads_per_step:
+        upd, state = step(grads, state)
+        outs.append(jax.tree.map(lambda u: u[0], upd))
+    return outs
+
+
+def run_shard_map(tx, grads_per_step, mesh, axis="data"):
+    specs = compjax.state_specs(jax.eval_shape(tx.init, PARAMS), axis)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    state = init(PARAMS)
+    step = jax.jit(
+        jax.shard_map(tx.update, mesh=mesh, in_specs=(P(axis), specs), out_specs=(P(), specs))
+    )
+    outs = []
+    for grads in grads_per_step:
+        flat = jax.tree.map(
+            lambda g: jax.device_put(g.reshape((-1, *g.shape[2:])), NamedSharding(mesh, P(axis))),
+            grads,
+        )
+        upd, state = step(flat, state)
+        outs.append(upd)
+    return outs
+
+
+def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_vmap_pmap_shard_map_agree(name):
+    tx = TRANSFORMS[name]("data")
+    grads = [worker_grads(N, t) for t in range(3)]
+    simulated, _ = run_vmap(tx, grads, N)
+    # bfloat16 all-reduce: the summation order may differ; each partial sum of
+    # 8 unit-scale values rounds in bfloat16 (2^-8 relative).
+    atol = 8 * 2.0**-8 if "cast" in name else 1e-6
+    assert_trees_close(run_pmap(tx, grads, N), simulated, atol=atol)
+    mesh = jax.make_mesh((N,), ("data",))
+    assert_trees_close(run_shard_map(tx, grads, mesh), simulated, atol=atol)
+
+
+@pytest.mark.parametrize("name", ["diana(qsgd)", "error_feedback(top_k)"])
+def test_two_dimensional_mesh_reducing_over_one_axis(name):
+    """A (4, 2) mesh: data-parallel over 'data', replicated over 'model'."""
+    tx = TRANSFORMS[name]("data")
+    grads = [worker_grads(4, t) for t in range(3)]
+    simulated, _ = run_vmap(tx, grads, 4)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    assert_trees_close(run_shard_map(tx, grads, mesh), simulated)
+
+
+def test_tuple_axis_name_reduces_over_both_axes():
+    tx = compjax.compress(compjax.qsgd(4), ("data", "model"))
+    grads = worker_grads(N)
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    specs = compjax.state_specs(jax.eval_shape(tx.init, PARAMS), ("data", "model"))
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(PARAMS)
+    flat = jax.tree.map(
+        lambda g: jax.device_put(
+            g.reshape((-1, *g.shape[2:])), NamedSharding(mesh, P(("data", "model")))
+        ),
+        grads,
+    )
+    upd, _ = jax.jit(
+        jax.shard_map(
+            tx.update,
+            mesh=mesh,
+            in_specs=(P(("data", "model")), specs),
+            out_specs=(P(), specs),
+        )
+    )(flat, state)
+    nested = jax.vmap(jax.vmap(tx.update, axis_name="model"), axis_name="data")
+    state_v = jax.vmap(jax.vmap(lambda _: tx.init(PARAMS)))(jnp.zeros((4, 2)))
+    grid = jax.tree.map(lambda g: g.reshape(4, 2, *g.shape[1:]), grads)
+    upd_v, _ = jax.jit(nested)(grid, state_v)
+    assert_trees_close(upd, jax.tree.map(lambda u: u[0, 0], upd_v))
+
+
+@partial(jax.jit, static_argnums=(0, 2))
+def _compressed_means(comp, x, n, seed):
+    """Compressed means over ``n`` vmap-simulated workers for 2000 keys."""
+
+    def one(key):
+        return jax.vmap(lambda xi: compjax.compressed_mean(comp, key, xi, "w").mean, axis_name="w")(
+            jnp.broadcast_to(x, (n, *x.shape))
+        )[0]
+
+    return jax.vmap(one)(jax.random.split(jax.random.key(seed), 2000))
+
+
+def test_workers_draw_independent_noise():
+    """Averaging n workers divides the variance by n (it would not with one key)."""
+    comp = compjax.rand_k(k=4)  # omega = d/k - 1 exactly, for every x
+    x = jnp.linspace(-1.0, 2.0, 32)
+    norm2 = float(jnp.sum(x**2))
+    for n in (1, 8):
+        draws = np.asarray(_compressed_means(comp, x, n, 0), np.float64)
+        err = np.sum((draws - np.asarray(x)) ** 2, axis=1)
+        expected = comp.omega(32) * norm2 / n
+        se = err.std(ddof=1) / np.sqrt(len(err))
+        assert abs(err.mean() - expected) < 5 * se, (n, err.mean(), expected)
+
+
+def test_error_feedback_loses_nothing():
+    """sum_t sent_t + mean_i e_i(T) = sum_t mean_i g_i(t), exactly up to rounding."""
+    tx = compjax.error_feedback(compjax.top_k(k=2), "data")
+    grads = [worker_grads(4, t) for t in range(6)]
+    outs, state = run_vmap(tx, grads, 4)
+    sent = jax.tree.map(lambda *u: sum(u), *outs)
+    residual = jax.tree.map(lambda e: e.mean(axis=(0, 1)), state.error)
+    total = jax.tree.map(lambda *g: sum(x.mean(0) for x in g), *grads)
+    assert_trees_close(jax.tree.map(jnp.add, sent, residual), total, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+def test_unbound_axis_name_is_named_in_the_error(name):
+    tx = TRANSFORMS[name]("batch")
+    grads = worker_grads(2)
+    state = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
+    with pytest.raises(ValueError, match="axis_name 'batch' is not bound"):
+        jax.vmap(tx.update, axis_name="data")(grads, state)
+    with pytest.raises(ValueError, match="axis_name 'batch' is not bound"):
+        tx.update(PARAMS, tx.init(PARAMS))  # no mapped axis at all
+
+
+def test_state_for_other_params_is_rejected():
+    tx = compjax.error_feedback(compjax.top_k(k=1), None)
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match="structure"):
+        tx.update({"w": jnp.ones((5, 3))}, state)
+    with pytest.raises(ValueError, match="shape"):
+        tx.update({"w": jnp.ones((5, 4)), "b": jnp.ones(3)}, state)
+
+
+def test_single_worker_axis_none():
+    tx = compjax.error_feedback(compjax.top_k(k=2), None)
+    grads = jax.tree.map(lambda g: g[0], worker_grads(1))
+    upd, state = tx.update(grads, tx.init(PARAMS))
+    assert sum(int(jnp.count_nonzero(u)) for u in jax.tree.leaves(upd)) == 4
+    assert_trees_close(jax.tree.map(lambda u, e: u + e[0], upd, state.error), grads)
+
+
+def test_sign_majority_vote_semantics():
+    g = {"x": jnp.array([[1.0, -1.0, 0.0, 2.0], [3.0, -2.0, 0.0, -1.0], [-1.0, -5.0, 0.0, 0.0]])}
+    for via, expect in [("all_gather", [1, -1, 1, 1]), ("psum", [1, -1, 0, 0])]:
+        tx = compjax.sign_majority_vote("data", via=via)
+        state = jax.vmap(lambda _, tx=tx: tx.init({"x": jnp.zeros(4)}))(jnp.arange(3))
+        upd, _ = jax.vmap(tx.update, axis_name="data")(g, state)
+        np.testing.assert_array_equal(upd["x"][0], expect)
+
+
+@partial(jax.jit, static_argnums=0)
+def _terngrad_means(clip, grads, seed):
+    tx = compjax.terngrad_allreduce("data", clip=clip, seed=seed)
+
+    def one(s):
+        state = jax.vmap(lambda _: tx.init({"x": grads[0]}))(jnp.arange(4))
+        state = state._replace(key=jax.vmap(lambda _: compjax.compressor.raw_key(s))(state.key))
+        return jax.vmap(tx.update, axis_name="data")({"x": grads}, state)[0]["x"][0]
+
+    return jax.vmap(one)(jax.random.split(jax.random.key(seed), 4000))
+
+
+def test_terngrad_allreduce_is_unbiased_for_clipped_gradients():
+    grads = jax.random.normal(jax.random.key(3), (4, 16)) * jnp.arange(1, 17)
+    for clip in (None, 1.0):
+        means = np.asarray(_terngrad_means(clip, grads, 0), np.float64)
+        clipped = [compjax.compressors.terngrad.clip_to_std(g, clip) if clip else g for g in grads]
+        target = np.mean(np.asarray(clipped, np.float64), axis=0)
+        se = means.std(axis=0, ddof=1) / np.sqrt(len(means))
+        z = (means.mean(0) - target) / np.where(se > 0, se, 1.0)
+        assert np.sum(z**2) < 60.0, (clip, np.sum(z**2))  # chi2(16) 1e-6 quantile: 59.7
+    # Clipping changes the target: the clipped run is not unbiased for the raw mean.
+    raw = np.asarray(grads, np.float64).mean(0)
+    assert np.abs(means.mean(0) - raw).max() > 10 * se.max()
+
+
+def test_communication_is_counted_from_payloads():
+    params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
+    sizes = [32, 64 * 32]  # leaf order: b, w
+    qsgd = compjax.qsgd(4)
+    report = compjax.communication(compjax.diana(qsgd, "data"), params)
+    assert report.dense_bits == 32 * sum(sizes)
+    flag = 8  # the non-finite flag
+    assert report.bits_per_worker == sum(qsgd.bits((d,)) for d in sizes) + flag
+    # The same through a chain, a wrapper and MultiSteps.
+    wrapped = optax.MultiSteps(
+        optax.chain(compjax.compress(qsgd, "data"), optax.adam(0.1)), every_k_schedule=2
+    )
+    assert compjax.communication(wrapped, params).bits_per_worker == report.bits_per_worker
+    vote = compjax.communication(compjax.sign_majority_vote("data"), params)
+    assert vote.bits_per_worker == sum(sizes) + flag
+    tern = compjax.communication(compjax.terngrad_allreduce("data"), params)
+    assert tern.bits_per_worker == sum(8 * d + 32 for d in sizes) + flag
+    assert compjax.communication(optax.adam(0.1), params).bits_per_worker == 0
