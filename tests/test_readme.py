@@ -17,3 +17,12 @@ def test_readme_usage_example_runs():
     text = README.read_text()
     code = text.split("## Usage", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_shard_map_training_step_runs():
+    text = README.read_text()
+    section = text.split("### A complete shard_map training step", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert float(namespace["loss"]) < 2.0  # below log(10): it trained
