@@ -80,7 +80,13 @@ def exchange_round(owner: object) -> Iterator[None]:
         _ROUND.reset(token)
 
 
-def _record(what: str, message) -> None:
+def record(what: str, message) -> None:
+    """Log that this worker sends ``message`` (an array or payload) in this round.
+
+    Every function here records what it sends; a transformation that builds a
+    message of its own (and sends it with :func:`all_gather` or :func:`psum`)
+    records it with this.
+    """
     log = _LOG.get()
     if log is None:
         return
@@ -203,17 +209,17 @@ def compressed_mean(comp: Compressor, key, x: jax.Array, axis_name: AxisName) ->
     n = num_workers(axis_name)
     if axis_name is None or n == 1:
         payload = comp.compress(key, x)
-        _record("payload", payload)
+        record("payload", payload)
         local = comp.decompress(payload)
         return Exchanged(mean=local, local=local)
     if comp.linear:
         payload = comp.compress(key, x)
-        _record("payload", payload)
+        record("payload", payload)
         summed = dataclasses.replace(payload, wire=psum(dict(payload.wire), axis_name))
         total = comp.decompress(summed)
         return Exchanged(mean=(total / n).astype(x.dtype), local=comp.decompress(payload))
     payload = comp.compress(worker_key(key, axis_name), x)
-    _record("payload", payload)
+    record("payload", payload)
     decoded = jax.vmap(comp.decompress)(all_gather(payload, axis_name))
     mean = jnp.mean(decoded.astype(jnp.float32), axis=0).astype(x.dtype)
     return Exchanged(mean=mean, local=comp.decompress(payload))
@@ -241,11 +247,11 @@ def sign_vote(x: jax.Array, axis_name: AxisName, via: str = "all_gather") -> jax
     flat = x.reshape(-1)
     if via == "psum":
         votes = jnp.sign(flat).astype(_vote_dtype(n))
-        _record("votes", votes)
+        record("votes", votes)
         total = psum(votes, axis_name) if axis_name is not None else votes
         return jnp.sign(total).astype(x.dtype).reshape(x.shape)
     bits = packing.pack((flat < 0).astype(jnp.uint32), 1)
-    _record("signs", bits)
+    record("signs", bits)
     gathered = all_gather(bits, axis_name) if axis_name is not None else bits[None]
     unpacked = jax.vmap(lambda b: packing.unpack(b, 1, flat.shape[0]))(gathered)
     total = jnp.sum(1 - 2 * unpacked.astype(jnp.int32), axis=0)
@@ -261,7 +267,7 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
     """
     n = num_workers(axis_name)
     ints = codes.astype(_vote_dtype(n))
-    _record("ternaries", ints)
+    record("ternaries", ints)
     total = psum(ints, axis_name) if axis_name is not None else ints
     return scale * total.astype(jnp.float32) / n
 
@@ -269,11 +275,11 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
 def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:
     """Whether ``flag`` is true on any worker (an 8-bit ``pmax``)."""
     flag = flag.astype(jnp.int8)
-    _record("flag", flag)
+    record("flag", flag)
     return (pmax(flag, axis_name) if axis_name is not None else flag) > 0
 
 
 def shared_max(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Maximum over workers (for scalers every worker must share)."""
-    _record("scaler", x)
+    record("scaler", x)
     return pmax(x, axis_name) if axis_name is not None else x
