@@ -9,6 +9,7 @@ from compjax import collectives
 from compjax.accounting import CommunicationReport, communication
 from compjax.collectives import compressed_mean
 from compjax.compressor import Compressor
+from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
 from compjax.compressors.natural import natural
@@ -37,6 +38,8 @@ __all__ = [
     "Payload",
     "SignVoteState",
     "TernGradState",
+    "atomo",
+    "atomo_svd",
     "blockwise",
     "cast",
     "chain",

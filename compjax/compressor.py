@@ -125,19 +125,33 @@ class Compressor:
 
     # -- the wire -----------------------------------------------------------
     def compress(self, key, x) -> Payload:
-        x = _check_input(x)
-        if not self.deterministic:
-            require_key(key, type(self).__name__)
+        x = self.check(key, x)
         flat = x.reshape(-1)
         if not self.keeps_dtype:
             flat = flat.astype(jnp.float32)
         wire, side = self.encode(key, flat)
-        return Payload(wire=wire, side=side, meta=(tuple(x.shape), np.dtype(x.dtype)))
+        return self.payload(wire, side, x)
 
     def decompress(self, payload: Payload) -> jax.Array:
         shape, dtype = payload.meta[0], payload.meta[1]
         flat = self.decode(payload.wire, payload.side, math.prod(shape), dtype)
-        return to_dtype(flat, dtype).reshape(shape)
+        return self.finish(flat, payload)
+
+    # -- helpers for compressors that override compress/decompress -------------
+    def check(self, key, x) -> jax.Array:
+        """``x`` as a floating array; raises ``ValueError`` for bad input or a missing key."""
+        x = _check_input(x)
+        if not self.deterministic:
+            require_key(key, type(self).__name__)
+        return x
+
+    def payload(self, wire: dict, side: dict, x: jax.Array) -> Payload:
+        """A payload for input ``x`` (its shape and dtype go into the static metadata)."""
+        return Payload(wire=wire, side=side, meta=(tuple(x.shape), np.dtype(x.dtype)))
+
+    def finish(self, flat: jax.Array, payload: Payload) -> jax.Array:
+        """The decoded 1-D ``flat`` back to the payload's shape and (saturated) dtype."""
+        return to_dtype(flat, payload.meta[1]).reshape(payload.meta[0])
 
     def __call__(self, key, x) -> jax.Array:
         """``decompress(compress(key, x))``: the compressed estimate of ``x``."""

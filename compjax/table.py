@@ -33,6 +33,8 @@ CATALOGUE_SPECS = (
     "top_k(ratio=0.01)",
     "chain(top_k(ratio=0.01), qsgd(levels=16))",
     "scaled(natural(), 8 / 9)",
+    "atomo(budget=16)",
+    "atomo_svd(budget=2)",
 )
 
 DIMS = (1024, 2**20)

@@ -20,6 +20,8 @@ EXTRA_SPECS = (
     "chain(rand_k(ratio=0.5, shared_seed=True), natural())",
     "chain(top_k(ratio=0.5), cast('bfloat16'))",
     "blockwise(top_k(ratio=0.5), 3)",
+    "atomo(budget=4.0)",
+    "atomo_svd(budget=2.0)",
 )
 
 

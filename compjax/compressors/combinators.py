@@ -18,11 +18,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from compjax.compressor import Compressor, _check_input, split_key
+from compjax.compressor import Compressor, split_key
 from compjax.compressors.sparse import Sparsifier
-from compjax.payload import Payload
 
 
 def _worst(values, pick):
@@ -54,7 +52,7 @@ class Blockwise(Compressor):
         return full, d - full * self.block_size
 
     def compress(self, key, x):
-        x = _check_input(x)
+        x = self.check(key, x)
         flat = x.reshape(-1)
         full, tail = self._sizes(flat.shape[0])
         key_blocks, key_tail = split_key(key)
@@ -68,7 +66,7 @@ class Blockwise(Compressor):
                 wire["blocks"] = jax.vmap(self.inner.compress)(keys, blocks)
         if tail:
             wire["tail"] = self.inner.compress(key_tail, flat[full * self.block_size :])
-        return Payload(wire=wire, side={}, meta=(tuple(x.shape), np.dtype(x.dtype)))
+        return self.payload(wire, {}, x)
 
     def decompress(self, payload):
         shape, dtype = payload.meta[0], payload.meta[1]
