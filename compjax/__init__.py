@@ -22,6 +22,7 @@ from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
 from compjax.transforms.diana import DianaState, diana
 from compjax.transforms.ef21 import EF21State, ef21
+from compjax.transforms.powersgd import PowerSGDState, powersgd
 from compjax.transforms.error_feedback import ErrorFeedbackState, error_feedback
 from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
 from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
@@ -36,6 +37,7 @@ __all__ = [
     "EF21State",
     "ErrorFeedbackState",
     "Payload",
+    "PowerSGDState",
     "SignVoteState",
     "TernGradState",
     "atomo",
@@ -52,6 +54,7 @@ __all__ = [
     "error_feedback",
     "identity",
     "natural",
+    "powersgd",
     "qsgd",
     "qsgd_omega",
     "rand_k",

@@ -80,6 +80,19 @@ def exchange_round(owner: object) -> Iterator[None]:
         _ROUND.reset(token)
 
 
+_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("compjax_quiet", default=False)
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Do not log messages sent inside (e.g. a warm-up branch that is not the steady state)."""
+    token = _QUIET.set(True)
+    try:
+        yield
+    finally:
+        _QUIET.reset(token)
+
+
 def record(what: str, message) -> None:
     """Log that this worker sends ``message`` (an array or payload) in this round.
 
@@ -88,7 +101,7 @@ def record(what: str, message) -> None:
     records it with this.
     """
     log = _LOG.get()
-    if log is None:
+    if log is None or _QUIET.get():
         return
     entry = (what, wire_bits(message))
     current = _ROUND.get()
