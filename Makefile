@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow lint format figures readme-table clean
+.PHONY: test test-slow test-peers lint format figures readme-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: $(STAMP)
 ## make test-slow: the long statistical and training tests.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
+
+## make test-peers: install the CPU PyTorch build and run the cross-checks against it.
+test-peers: $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pytest -q -m peers
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

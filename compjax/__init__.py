@@ -22,10 +22,18 @@ from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
 from compjax.transforms.diana import DianaState, diana
 from compjax.transforms.ef21 import EF21State, ef21
-from compjax.transforms.powersgd import PowerSGDState, powersgd
 from compjax.transforms.error_feedback import ErrorFeedbackState, error_feedback
+from compjax.transforms.powersgd import PowerSGDState, powersgd
 from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
 from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
+from compjax.transforms.variance_based import (
+    StromState,
+    VarianceBasedState,
+    per_example_grads,
+    real_bits_sent,
+    strom_threshold,
+    variance_based,
+)
 
 __version__ = "0.1.0"
 
@@ -39,7 +47,9 @@ __all__ = [
     "Payload",
     "PowerSGDState",
     "SignVoteState",
+    "StromState",
     "TernGradState",
+    "VarianceBasedState",
     "atomo",
     "atomo_svd",
     "blockwise",
@@ -54,18 +64,22 @@ __all__ = [
     "error_feedback",
     "identity",
     "natural",
+    "per_example_grads",
     "powersgd",
     "qsgd",
     "qsgd_omega",
     "rand_k",
+    "real_bits_sent",
     "scaled",
     "scaled_sign",
     "sign",
     "sign_majority_vote",
     "state_specs",
+    "strom_threshold",
     "terngrad",
     "terngrad_allreduce",
     "terngrad_omega",
     "top_k",
+    "variance_based",
     "wire_bits",
 ]
