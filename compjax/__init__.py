@@ -20,6 +20,7 @@ from compjax.compressors.terngrad import terngrad, terngrad_omega
 from compjax.payload import Payload, wire_bits
 from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
+from compjax.transforms.dgc import DGCState, dgc
 from compjax.transforms.diana import DianaState, diana
 from compjax.transforms.ef21 import EF21State, ef21
 from compjax.transforms.error_feedback import ErrorFeedbackState, error_feedback
@@ -41,6 +42,7 @@ __all__ = [
     "CommunicationReport",
     "CompressState",
     "Compressor",
+    "DGCState",
     "DianaState",
     "EF21State",
     "ErrorFeedbackState",
@@ -59,6 +61,7 @@ __all__ = [
     "communication",
     "compress",
     "compressed_mean",
+    "dgc",
     "diana",
     "ef21",
     "error_feedback",

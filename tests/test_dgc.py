@@ -1,0 +1,357 @@
+"""Deep Gradient Compression: agreement with a plain step-by-step reference, its selection,
+masking, accounting and argument checks.
+
+Shapes are fixed (``PARAMS`` of test_transforms, one 32768-entry vector for the
+selection) so that each configuration compiles once.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_transforms import PARAMS, assert_trees_close, run_shard_map, run_vmap, worker_grads
+
+import compjax
+from compjax.transforms.dgc import DGCState, dgc, sample_layout, sampled_threshold_select
+
+N = 8
+STEPS = 5
+
+# Each case: dgc's keyword arguments (min_size=10: "w" (15 entries) is sparse, "b" dense).
+CASES = {
+    "momentum, masking, warm-up 0.5 -> 0.2": dict(
+        ratio=0.2, warmup_ratios=(0.5,), warmup_steps_per_phase=2
+    ),
+    "nesterov, clipping, no masking, two warm-up phases": dict(
+        ratio=0.2,
+        nesterov=True,
+        clip_norm=4.0,
+        momentum_masking=False,
+        warmup_ratios=(0.6, 0.4),
+        warmup_steps_per_phase=1,
+    ),
+    "no momentum correction, clipping": dict(ratio=0.3, momentum_correction=False, clip_norm=1.0),
+    "flatten, clipping, masking, momentum 0.5": dict(
+        ratio=0.25, flatten=True, clip_norm=3.0, momentum=0.5
+    ),
+    # The whole leaf is the sample: the threshold is the exact k-th largest entry.
+    "sampled threshold, warm-up": dict(
+        ratio=0.2,
+        warmup_ratios=(0.5,),
+        warmup_steps_per_phase=3,
+        sampled_threshold=True,
+        sample_ratio=1.0,
+    ),
+}
+
+
+def reference(grads_per_step, n, *, ratio, momentum=0.9, nesterov=False,
+              momentum_correction=True, clip_norm=None, momentum_masking=True,
+              warmup_ratios=(), warmup_steps_per_phase=0, flatten=False, min_size=10):  # fmt: skip
+    """DGC written plainly in float64 numpy: per worker, per step, exact top-k."""
+    names = sorted(PARAMS)  # jax's leaf order for a dict
+
+    def vectors(grads):  # name -> (n, d) per-worker gradients
+        flat = {k: np.asarray(grads[k], np.float64).reshape(n, -1) for k in names}
+        return {"all": np.concatenate([flat[k] for k in names], axis=1)} if flatten else flat
+
+    first = vectors(grads_per_step[0])
+    u = {k: np.zeros_like(g) for k, g in first.items()}
+    v = {k: np.zeros_like(g) for k, g in first.items()}
+    m = momentum
+    outs = []
+    for t, grads in enumerate(grads_per_step):
+        phase = (
+            min(t // warmup_steps_per_phase, len(warmup_ratios)) if warmup_steps_per_phase else 0
+        )
+        r = (*warmup_ratios, ratio)[phase] if warmup_steps_per_phase else ratio
+        out = {}
+        for key, g in vectors(grads).items():
+            d = g.shape[1]
+            if clip_norm is not None:
+                limit = clip_norm / math.sqrt(n)
+                norms = np.linalg.norm(g, axis=1, keepdims=True)
+                g = g * np.minimum(1.0, limit / norms)
+            if not momentum_correction:
+                acc = g
+            elif nesterov:
+                u[key] = m * (u[key] + g)
+                acc = u[key] + g
+            else:
+                u[key] = m * u[key] + g
+                acc = u[key]
+            if d < min_size:
+                out[key] = acc.mean(axis=0)
+                continue
+            v[key] = v[key] + acc
+            k = math.ceil(r * d - 1e-9)
+            message = np.zeros(d)
+            for i in range(n):
+                sent = np.argsort(-np.abs(v[key][i]))[:k]
+                message[sent] += v[key][i, sent]
+                v[key][i, sent] = 0.0
+                if momentum_correction and momentum_masking:
+                    u[key][i, sent] = 0.0
+            out[key] = message / n
+        outs.append(out)
+    return outs, u, v
+
+
+def as_vectors(tree, n, flatten):
+    """A tree with a leading worker axis (and the per-worker axis of 1) as name -> (n, d)."""
+    if flatten:
+        return {"all": np.asarray(tree).reshape(n, -1)}
+    return {k: np.asarray(a).reshape(n, -1) for k, a in tree.items()}
+
+
+def updates_as_vectors(update, flatten):
+    if flatten:
+        return {"all": np.concatenate([np.asarray(update[k]).reshape(-1) for k in sorted(update)])}
+    return {k: np.asarray(a).reshape(-1) for k, a in update.items()}
+
+
+GRADS = [worker_grads(N, t) for t in range(STEPS)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference_under_vmap_and_shard_map(name):
+    kwargs = dict(CASES[name])
+    selection = {k: kwargs.pop(k) for k in ("sampled_threshold", "sample_ratio") if k in kwargs}
+    tx = dgc("data", min_size=10, **{"sampled_threshold": False, **selection, **kwargs})
+    expected, u, v = reference(GRADS, N, **kwargs)
+    outs, state = run_vmap(tx, GRADS, N)
+    flatten = kwargs.get("flatten", False)
+    for got, want in zip(outs, expected, strict=True):
+        assert_trees_close(updates_as_vectors(got, flatten), want, rtol=1e-5, atol=1e-5)
+    assert_trees_close(as_vectors(state.velocity, N, flatten), v, rtol=1e-5, atol=1e-5)
+    if kwargs.get("momentum_correction", True):
+        assert_trees_close(as_vectors(state.momentum, N, flatten), u, rtol=1e-5, atol=1e-5)
+    else:
+        assert state.momentum is None
+    np.testing.assert_array_equal(state.step, STEPS)
+    mesh = jax.make_mesh((N,), ("data",))
+    assert_trees_close(run_shard_map(tx, GRADS, mesh), outs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_nothing_dropped_is_momentum_sgd(nesterov):
+    """ratio=1 without masking: chain(dgc, sgd) is sgd with (Nesterov) momentum on the mean."""
+    tx = optax.chain(
+        dgc(
+            "data",
+            1.0,
+            nesterov=nesterov,
+            momentum_masking=False,
+            sampled_threshold=False,
+            min_size=10,
+        ),
+        optax.sgd(0.1),
+    )
+    outs, _ = run_vmap(tx, GRADS, N)
+    sgd = optax.sgd(0.1, momentum=0.9, nesterov=nesterov)
+    state = sgd.init(PARAMS)
+    for got, grads in zip(outs, GRADS, strict=True):
+        want, state = sgd.update(jax.tree.map(lambda g: g.mean(0), grads), state)
+        assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+BIG = {"w": jnp.zeros((64, 64))}  # 4096 entries: k = 41 at ratio 0.01
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _one_worker_steps(masking, sampled, grads):
+    """Single-worker steps (a scan): the state before each step, the update, the state after."""
+    tx = dgc(None, 0.01, momentum_masking=masking, sampled_threshold=sampled, min_size=1)
+
+    def step(state, g):
+        upd, new = tx.update({"w": g}, state)
+        return new, (state, upd, new)
+
+    return jax.lax.scan(step, tx.init(BIG), grads)[1]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize("masking", [True, False])
+def test_momentum_masking_zeroes_exactly_the_sent_coordinates(masking, sampled):
+    grads = jax.random.normal(jax.random.key(7), (3, 64, 64)) * jnp.linspace(0.1, 3.0, 64)
+    old, upd, new = jax.tree.map(np.asarray, _one_worker_steps(masking, sampled, grads))
+    for t, g in enumerate(np.asarray(grads).reshape(3, -1)):
+        u_old, v_old = (x["w"][t].reshape(-1) for x in (old.momentum, old.velocity))
+        u_new, v_new = (x["w"][t].reshape(-1) for x in (new.momentum, new.velocity))
+        upd_t = upd["w"][t].reshape(-1)
+        sent = upd_t != 0
+        # Exact top-k sends k entries; the sampled threshold within the band or k.
+        assert 33 <= sent.sum() <= (53 if sampled else 41)
+        u = 0.9 * u_old + g
+        np.testing.assert_array_equal(v_new == 0, sent)  # the velocity is always cleared
+        np.testing.assert_allclose(v_new + upd_t, v_old + u, rtol=1e-6, atol=1e-6)  # nothing lost
+        if masking:
+            np.testing.assert_array_equal(u_new == 0, sent)
+            np.testing.assert_allclose(u_new[~sent], u[~sent], rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_allclose(u_new, u, rtol=1e-6, atol=1e-6)
+            assert np.all(u_new[sent] != 0)
+
+
+D, K = 2**15, 33  # ratio 0.001 of 32768
+LOW, CAP = 27, 42  # ceil(0.8 k), floor(1.3 k)
+STRIDE, NUM_SAMPLES = sample_layout(D, K, 0.01)
+
+
+@jax.jit
+def _select(x, offset):
+    return sampled_threshold_select(x, K, offset=offset)
+
+
+def check_selection(x, sel):
+    """Band or fallback, a top set of |x|, padding marked with d."""
+    idx, count = np.asarray(sel.indices), int(sel.count)
+    assert idx.shape == (CAP,)
+    assert np.all(idx[count:] == D) and np.all(idx[:count] < D)
+    chosen = np.zeros(D, bool)
+    chosen[idx[:count]] = True
+    assert chosen.sum() == count  # distinct
+    if bool(sel.fallback):
+        assert count == K  # the exact top-k
+    else:
+        assert LOW <= count <= CAP
+    mag = np.abs(x)
+    assert mag[chosen].min() >= mag[~chosen].max()  # the largest entries
+
+
+def test_sample_layout():
+    assert (STRIDE, NUM_SAMPLES) == (15, 2184)  # >= 2 d / k = 1986 samples, odd stride
+    assert sample_layout(100, 1, 0.01) == (1, 100)  # sample everything
+
+
+@given(seed=st.integers(0, 2**31 - 1), offset=st.integers(0, 10**6))
+def test_threshold_on_gaussian_is_in_band_or_falls_back(seed, offset):
+    x = np.random.default_rng(seed).standard_normal(D).astype(np.float32)
+    check_selection(x, _select(x, offset))
+
+
+def test_threshold_accepts_or_falls_back_on_gaussians():
+    """At d = 32768, k = 33 the sample's rank-3 threshold is noisy: both outcomes occur."""
+    rng = np.random.default_rng(0)
+    fallbacks = []
+    for offset in range(16):
+        x = rng.standard_normal(D).astype(np.float32)
+        sel = _select(x, offset)
+        check_selection(x, sel)
+        fallbacks.append(bool(sel.fallback))
+    assert any(fallbacks) and not all(fallbacks)
+
+
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    outliers=st.integers(0, 200),
+    sampled_scale=st.sampled_from([0.0, 0.1, 0.5, 2.0, 3.0, 10.0]),
+)
+def test_misleading_samples_fall_back_or_stay_in_band(seed, outliers, sampled_scale):
+    """Outliers the sample misses, or a sample much larger or smaller than the rest."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(D).astype(np.float32)
+    offset = int(rng.integers(0, STRIDE))
+    sampled = offset + STRIDE * np.arange(NUM_SAMPLES)
+    x[sampled] *= sampled_scale
+    unsampled = np.setdiff1d(np.arange(D), sampled)
+    x[rng.choice(unsampled, outliers, replace=False)] = 1e3 + np.arange(outliers)
+    sel = _select(x, offset)
+    check_selection(x, sel)
+    if outliers > CAP or sampled_scale == 0.0:  # threshold far too low: too many pass it
+        assert bool(sel.fallback)
+
+
+def pareto_with_inflated_sample(scale):
+    """|x| at exact Pareto(1) quantiles (count(|x| >= t) ~ d / t); the sample at offset 0
+    multiplied by ``scale``."""
+    rng = np.random.default_rng(3)
+    sampled = STRIDE * np.arange(NUM_SAMPLES)
+    rest = np.setdiff1d(np.arange(D), sampled)
+    x = np.zeros(D, np.float32)
+    x[rng.permutation(rest)] = len(rest) / (np.arange(len(rest)) + 0.5)
+    x[sampled] = scale * NUM_SAMPLES / (np.arange(NUM_SAMPLES) + 0.5)
+    return x * rng.choice([-1.0, 1.0], D).astype(np.float32)
+
+
+@pytest.mark.parametrize(("iters", "accepted"), [(10, True), (2, True), (1, False), (0, False)])
+def test_threshold_is_lowered_into_the_band(iters, accepted):
+    """A sample twice too large: about 24 then 25 entries pass, after two 0.8 reductions 31."""
+    x = pareto_with_inflated_sample(2.0)
+    sel = jax.jit(partial(sampled_threshold_select, k=K, max_adaptation_iters=iters))(x)
+    check_selection(x, sel)
+    assert bool(sel.fallback) != accepted
+    if accepted:
+        assert 27 <= int(sel.count) <= 35
+
+
+def test_communication_reports_the_steady_state_payload():
+    params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}  # 4096 sparse, 64 dense
+    flag, dense = 8, 64 * 32
+    k, cap = 41, 53  # ceil(0.01 * 4096), floor(1.3 * 41)
+    exact = compjax.communication(dgc("data", 0.01, sampled_threshold=False), params)
+    assert exact.bits_per_worker == flag + dense + k * 64
+    assert exact.messages == (("flag", 8), ("dense", dense), ("payload", k * 64))
+    for kwargs in ({}, {"warmup_steps_per_phase": 100}):
+        report = compjax.communication(dgc("data", 0.01, **kwargs), params)
+        assert report.bits_per_worker == flag + dense + cap * 64
+    half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    report = compjax.communication(dgc("data", 0.01, sampled_threshold=False), half)
+    assert report.bits_per_worker == flag + 64 * 16 + k * (32 + 16)
+
+
+def test_non_finite_gradient_gives_nan_and_keeps_the_state():
+    tx = dgc("data", 0.2, min_size=10, sampled_threshold=False)
+    step = jax.jit(jax.vmap(tx.update, axis_name="data"))
+    _, state = step(GRADS[0], jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(N)))
+    bad = jax.tree.map(lambda g: g.at[3, 0].set(jnp.nan), GRADS[1])
+    upd, new = step(bad, state)
+    assert all(bool(jnp.all(jnp.isnan(u))) for u in jax.tree.leaves(upd))
+    assert_trees_close(new, state, rtol=0, atol=0)
+
+
+def test_state_and_errors():
+    tx = dgc("batch", min_size=10)
+    state = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(2))
+    assert isinstance(state, DGCState)
+    specs = compjax.state_specs(jax.eval_shape(tx.init, PARAMS), "data")
+    assert specs.step == jax.P() and specs.velocity["w"] == jax.P("data")
+    with pytest.raises(ValueError, match="axis_name 'batch' is not bound"):
+        jax.vmap(tx.update, axis_name="data")(jax.tree.map(lambda g: g[:2], GRADS[0]), state)
+    with pytest.raises(ValueError, match="velocity"):
+        dgc(None, min_size=10).update(PARAMS, tx.init({"w": jnp.ones((5, 3))}))
+
+
+BAD = [
+    ("ratio", {"ratio": 0.0}),
+    ("ratio", {"ratio": 1.5}),
+    ("ratio", {"ratio": "0.1"}),
+    ("momentum", {"momentum": 1.0}),
+    ("momentum", {"momentum": -0.1}),
+    ("nesterov", {"nesterov": True, "momentum_correction": False}),
+    ("clip_norm", {"clip_norm": 0.0}),
+    ("clip_norm", {"clip_norm": -1.0}),
+    ("warmup_ratios", {"warmup_ratios": (0.5, 0.0)}),
+    ("warmup_ratios", {"warmup_ratios": (2.0,)}),
+    ("warmup_ratios", {"warmup_ratios": "0.5"}),
+    ("warmup_steps_per_phase", {"warmup_steps_per_phase": -1}),
+    ("warmup_steps_per_phase", {"warmup_steps_per_phase": 1.5}),
+    ("sample_ratio", {"sample_ratio": 0.0}),
+    ("accept_band", {"accept_band": (1.1, 1.3)}),
+    ("accept_band", {"accept_band": (0.8, 0.9)}),
+    ("accept_band", {"accept_band": (0.8,)}),
+    ("max_adaptation_iters", {"max_adaptation_iters": -1}),
+    ("min_size", {"min_size": 0}),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs"), BAD, ids=[f"{n}={v}" for n, v in BAD])
+def test_bad_parameters_raise_naming_them(name, kwargs):
+    with pytest.raises(ValueError, match=name):
+        dgc("data", **kwargs)
