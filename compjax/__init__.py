@@ -7,7 +7,7 @@ theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 
 from compjax import collectives
 from compjax.accounting import CommunicationReport, communication
-from compjax.collectives import compressed_mean
+from compjax.collectives import compressed_mean, worker_params
 from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.combinators import blockwise, chain, scaled
@@ -85,4 +85,5 @@ __all__ = [
     "top_k",
     "variance_based",
     "wire_bits",
+    "worker_params",
 ]

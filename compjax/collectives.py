@@ -159,6 +159,24 @@ def _gather_target(axis_name: AxisName) -> str:
     return "invarying" if set(_names(axis_name)) <= manual else "varying"
 
 
+def worker_params(tree, axis_name: AxisName):
+    """This worker's own copy of replicated ``tree`` (params), to differentiate.
+
+    Under ``shard_map`` the gradient with respect to a replicated (``P()``)
+    input is summed over the workers by JAX's autodiff, so
+    ``jax.grad(loss)(params, local_batch)`` is already the *sum* of every
+    worker's gradient and a compressor would compress the reduced gradient.
+    Differentiating ``worker_params(params, axis_name)`` instead gives each
+    worker its own local gradient, which compjax then exchanges.  Under
+    ``pmap`` and ``vmap`` the gradient is local anyway and this returns the
+    tree as it is.
+    """
+    if axis_name is None or _gather_target(axis_name) == "varying":
+        return tree
+    names = _bound_names(axis_name)
+    return jax.tree.map(lambda x: jax.lax.pcast(x, names, to="varying"), tree)
+
+
 def _bound_names(axis_name: AxisName) -> tuple[str, ...]:
     """The names of ``axis_name``, after checking each is bound (clear error if not)."""
     num_workers(axis_name)
