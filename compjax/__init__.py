@@ -17,6 +17,7 @@ from compjax.compressors.qsgd import qsgd, qsgd_omega
 from compjax.compressors.sign import scaled_sign, sign
 from compjax.compressors.sparse import rand_k, top_k
 from compjax.compressors.terngrad import terngrad, terngrad_omega
+from compjax.dad import dad_communication, dad_grads, rank_dad_grads
 from compjax.payload import Payload, wire_bits
 from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
@@ -61,6 +62,8 @@ __all__ = [
     "communication",
     "compress",
     "compressed_mean",
+    "dad_communication",
+    "dad_grads",
     "dgc",
     "diana",
     "ef21",
@@ -72,6 +75,7 @@ __all__ = [
     "qsgd",
     "qsgd_omega",
     "rand_k",
+    "rank_dad_grads",
     "real_bits_sent",
     "scaled",
     "scaled_sign",
