@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-peers lint format figures readme-table clean
+.PHONY: test test-slow test-peers proofs lint format figures readme-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test-slow: $(STAMP)
 test-peers: $(STAMP)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pytest -q -m peers
+
+## make proofs: check every theorem the library relies on; writes proofs_checks/REPORT.md.
+proofs: $(STAMP)
+	$(PY) -m proofs_checks
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -89,6 +89,21 @@ def require_key(key, name: str):
     return key
 
 
+def bernoulli(key, p: jax.Array) -> jax.Array:
+    """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
+
+    Compares 32 random bits with ``p * 2**32``: the probability is exact for
+    ``p >= 2**-8`` (where ``p * 2**32`` is an integer) and otherwise off by
+    less than ``2**-32``.  ``jax.random.uniform`` would carry only 23 random
+    bits and round every probability up to a multiple of ``2**-23``.
+    ``p = 1`` is always true and ``p = 0`` always false.
+    """
+    bits = jax.random.bits(key, p.shape, jnp.uint32)
+    scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
+    threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
+    return (bits < threshold) | (p >= 1.0)
+
+
 def raw_key(key) -> jax.Array:
     """The uint32 data of a PRNG key (typed keys are unwrapped; raw keys pass through).
 

@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax.compressor import Compressor
+from compjax.compressor import Compressor, bernoulli
 
 
 def water_fill(magnitudes: jax.Array, budget: float) -> jax.Array:
@@ -74,7 +74,7 @@ def _kept_slots(key, p: jax.Array, slots: int) -> jax.Array:
     In the (improbable) event that more atoms are kept than ``slots``, the
     first ``slots`` are sent and the rest dropped.
     """
-    keep = jax.random.uniform(key, p.shape) < p
+    keep = bernoulli(key, p)
     return jnp.nonzero(keep, size=slots, fill_value=p.shape[0])[0].astype(jnp.int32)
 
 

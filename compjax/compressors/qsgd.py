@@ -11,11 +11,10 @@ import dataclasses
 import math
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, safe_divide, safe_norm
+from compjax.compressor import Compressor, bernoulli, safe_divide, safe_norm
 
 
 def qsgd_omega(d: int, levels: int) -> float:
@@ -69,7 +68,7 @@ class QSGD(Compressor):
         ratio = jnp.minimum(safe_divide(jnp.abs(xb), norms[:, None]), 1.0)
         scaled = self.levels * ratio
         low = jnp.floor(scaled)
-        up = jax.random.uniform(key, xb.shape) < (scaled - low)
+        up = bernoulli(key, scaled - low)
         level = jnp.minimum(low + up, self.levels).astype(jnp.uint32)
         sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
         codes = (level | sign).reshape(-1)[:d]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, safe_divide
+from compjax.compressor import Compressor, bernoulli, safe_divide
 
 # Ternary codes, 2 bits each, 4 per byte.
 ZERO, PLUS, MINUS = 0, 1, 2
@@ -37,7 +37,7 @@ def ternarize(key, x: jax.Array, scale: jax.Array) -> jax.Array:
     Entry ``i`` is ``sign(x_i)`` with probability ``|x_i| / scale`` and 0
     otherwise, so that ``scale * value`` is an unbiased estimate of ``x``.
     """
-    keep = jax.random.uniform(key, x.shape) < safe_divide(jnp.abs(x), scale)
+    keep = bernoulli(key, safe_divide(jnp.abs(x), scale))
     return jnp.where(keep, jnp.where(x < 0, MINUS, PLUS), ZERO).astype(jnp.uint32)
 
 

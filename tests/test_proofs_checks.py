@@ -1,0 +1,96 @@
+"""proofs_checks: the fast mode passes, and deliberately wrong theory makes it fail.
+
+A check that cannot fail is worthless, so besides running every check in fast
+mode, these tests break compjax on purpose (a wrong variance constant, a biased
+sampler, workers sharing their randomness) and assert that the claims that
+depend on it FAIL.
+"""
+
+import pathlib
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repository root
+
+import compjax
+import compjax.collectives
+import compjax.compressors.qsgd
+import compjax.compressors.terngrad
+from proofs_checks import FAIL, MODULES, PASS, SKIPPED, run_all
+from proofs_checks.__main__ import main, report_markdown, table_text
+
+
+def by_claim(results, prefix):
+    rows = [r for r in results if r.claim.startswith(prefix)]
+    assert rows, f"no claim starts with {prefix!r}"
+    return rows
+
+
+@pytest.fixture
+def broken(monkeypatch):
+    """Patch compjax inside a context whose compiled programs are discarded on both ends
+    (jit caches are keyed by the compressor value, not by the code it runs)."""
+    jax.clear_caches()
+    yield monkeypatch
+    monkeypatch.undo()
+    jax.clear_caches()
+
+
+def test_fast_mode_passes():
+    results, timings = run_all(fast=True)
+    failed = [r for r in results if r.verdict == FAIL]
+    assert not failed, "\n".join(
+        f"{r.claim}: {r.measured} vs {r.bound}\n{r.detail}" for r in failed
+    )
+    assert {r.verdict for r in results} <= {PASS, SKIPPED}
+    assert sum(r.verdict == PASS for r in results) >= 30
+    assert {name.split(".")[0] for name in timings} == set(MODULES)
+    # The report and the table hold every row.
+    text = table_text(results)
+    markdown = report_markdown(results, fast=True)
+    for r in results:
+        assert r.verdict in text
+        assert r.source.replace("|", "\\|") in markdown
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_a_wrong_qsgd_omega_is_caught(broken, factor):
+    original = compjax.compressors.qsgd.qsgd_omega
+
+    def wrong(d, levels):
+        return factor * original(d, levels)
+
+    broken.setattr(compjax.compressors.qsgd, "qsgd_omega", wrong)
+    broken.setattr(compjax, "qsgd_omega", wrong)
+    results, _ = run_all(fast=True, modules=("qsgd",))
+    for row in by_claim(results, "QSGD sup"):
+        assert row.verdict == FAIL, row
+    # Lemma 3.1 itself does not depend on omega(d) and still holds.
+    assert by_claim(results, "QSGD variance")[0].verdict == PASS
+
+
+def test_a_biased_sampler_is_caught(broken):
+    original = compjax.compressors.terngrad.ternarize
+
+    def biased(key, x, scale):  # keeps entry k with probability 0.9 |x_k| / scale
+        return original(key, x, scale / 0.9)
+
+    broken.setattr(compjax.compressors.terngrad, "ternarize", biased)
+    results, _ = run_all(fast=True, modules=("terngrad",))
+    assert by_claim(results, "TernGrad is unbiased")[0].verdict == FAIL
+    assert by_claim(results, "TernGrad sampler")[0].verdict == FAIL
+
+
+def test_workers_sharing_randomness_is_caught(broken):
+    broken.setattr(compjax.collectives, "worker_key", lambda key, axis_name: key)
+    results, _ = run_all(fast=True, modules=("contraction",))
+    assert by_claim(results, "averaging n independent workers")[0].verdict == FAIL
+
+
+def test_cli_exit_status(tmp_path, capsys):
+    report = tmp_path / "REPORT.md"
+    assert main(["--fast", "--only", "natural", "--report", str(report)]) == 0
+    assert "| natural compression is unbiased" in report.read_text()
+    assert "PASS" in capsys.readouterr().out
