@@ -12,15 +12,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,experiments]'
 	touch $(STAMP)
 
-## make test: lint, then the fast test suite (CI runs this).
+## make test: lint, then the fast test suite on both cores (CI runs this).
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n 2 -m "not slow"
 
 ## make test-slow: the long statistical and training tests.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n 2 -m slow
 
 ## make test-peers: install the CPU PyTorch build and run the cross-checks against it.
 test-peers: $(STAMP)
