@@ -279,3 +279,29 @@ def sq(x) -> np.ndarray:
     """Squared Euclidean norm of each row, float64."""
     x = np.asarray(x, np.float64)
     return np.sum(x * x, axis=-1)
+
+
+def sampler_agreement(cases, n: int) -> tuple[bool, float, float, list[str]]:
+    """Real-key draws of each case against its exact per-coordinate moments.
+
+    Args:
+      cases: ``(label, comp, table, row, seed)`` with ``table`` a
+        :class:`TwoPoint` whose ``row`` is the input.
+      n: draws per case.
+
+    Returns:
+      ``(ok, worst chi2/quantile, worst |z|, one detail string per case)``: the
+      mean passes a chi-square test at false-alarm probability 1e-6 and the
+      mean squared error is within :data:`Z` standard errors of the exact one.
+    """
+    ok, worst_chi, worst_z, parts = True, 0.0, 0.0, []
+    for label, comp, tp, row, seed in cases:
+        x = tp.x[row].astype(np.float32)
+        samples = draws(comp, x, n, seed=seed)
+        chi2, bound, dof, fixed_ok = chi2_mean(samples, x, tp.var_coord[row])
+        z = z_mean(sq(samples - tp.x[row]), float(tp.mse()[row]))
+        ok &= chi2 < bound and fixed_ok and abs(z) < Z
+        worst_chi = max(worst_chi, chi2 / bound if bound else 0.0)
+        worst_z = max(worst_z, abs(z))
+        parts.append(f"{label}: χ²={fmt(chi2)} vs {fmt(bound)} (dof {dof}), z={fmt(z, 3)}")
+    return ok, worst_chi, worst_z, parts

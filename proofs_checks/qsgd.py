@@ -18,14 +18,12 @@ from proofs_checks._common import (
     FULL,
     TwoPoint,
     Z,
-    chi2_mean,
-    draws,
     enumerate_outcomes,
     fmt,
     outcomes_consistent,
+    sampler_agreement,
     sq,
     test_vectors,
-    z_mean,
 )
 
 SOURCE = "Alistarh et al. 2017, Lemma 3.1"
@@ -195,19 +193,14 @@ def monte_carlo(fast, tables):
     """The library's sampler with real (threefry) keys against the exact moments."""
     n = 4000 if fast else 40000
     cases = MC_FAST if fast else MC_FULL
-    worst_chi, worst_z, ok, parts = 0.0, 0.0, True, []
-    for i, (d, s) in enumerate(cases):
-        comp = compjax.qsgd(s)
-        tp = tables[(d, s)]
-        row = i % 3  # Gaussian, Cauchy or sparse
-        x = tp.x[row].astype(np.float32)
-        samples = draws(comp, x, n, seed=10 + i)
-        chi2, bound, dof, fixed_ok = chi2_mean(samples, x, tp.var_coord[row])
-        z = z_mean(sq(samples - tp.x[row]), float(tp.mse()[row]))
-        ok &= chi2 < bound and fixed_ok and abs(z) < Z
-        worst_chi = max(worst_chi, chi2 / bound if bound else 0.0)
-        worst_z = max(worst_z, abs(z))
-        parts.append(f"(d={d}, s={s}): χ²={fmt(chi2)} vs {fmt(bound)} (dof {dof}), z={fmt(z, 3)}")
+    # Row i % 3 of each table: Gaussian, Cauchy or sparse.
+    ok, worst_chi, worst_z, parts = sampler_agreement(
+        [
+            (f"(d={d}, s={s})", compjax.qsgd(s), tables[(d, s)], i % 3, 10 + i)
+            for i, (d, s) in enumerate(cases)
+        ],
+        n,
+    )
     return result(
         "QSGD sampler with real PRNG keys matches the exact mean and variance",
         SOURCE,

@@ -20,14 +20,12 @@ from proofs_checks._common import (
     FULL,
     TwoPoint,
     Z,
-    chi2_mean,
-    draws,
     enumerate_outcomes,
     fmt,
     outcomes_consistent,
+    sampler_agreement,
     sq,
     test_vectors,
-    z_mean,
 )
 
 SOURCE = "Wen et al. 2017, §3"
@@ -150,18 +148,9 @@ def monte_carlo(fast, tables):
     n = 4000 if fast else 40000
     dims = (64,) if fast else (64, 1000, 12)
     comp = compjax.terngrad()
-    ok, worst_chi, worst_z, parts = True, 0.0, 0.0, []
-    for i, d in enumerate(dims):
-        tp = tables[d]
-        row = i % 3
-        x = tp.x[row].astype(np.float32)
-        samples = draws(comp, x, n, seed=20 + i)
-        chi2, bound, dof, fixed_ok = chi2_mean(samples, x, tp.var_coord[row])
-        z = z_mean(sq(samples - tp.x[row]), float(tp.mse()[row]))
-        ok &= chi2 < bound and fixed_ok and abs(z) < Z
-        worst_chi = max(worst_chi, chi2 / bound if bound else 0.0)
-        worst_z = max(worst_z, abs(z))
-        parts.append(f"d={d}: χ²={fmt(chi2)} vs {fmt(bound)} (dof {dof}), z={fmt(z, 3)}")
+    ok, worst_chi, worst_z, parts = sampler_agreement(
+        [(f"d={d}", comp, tables[d], i % 3, 20 + i) for i, d in enumerate(dims)], n
+    )
     return result(
         "TernGrad sampler with real PRNG keys matches the exact mean and variance",
         SOURCE,
