@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-peers proofs lint format figures readme-table clean
+.PHONY: test test-slow test-peers proofs bench lint format figures readme-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,9 +39,14 @@ format: $(STAMP)
 	$(PY) -m ruff format .
 	$(PY) -m ruff check --fix .
 
-## make figures: reproduce the figures under paper_figs/out/.
+## make figures: reproduce the figures under paper_figs/out/ (FULL=1: the longer runs).
 figures: $(STAMP)
-	MPLBACKEND=Agg $(PY) -m paper_figs
+	MPLBACKEND=Agg FULL=$(FULL) $(PY) -m paper_figs
+
+## make bench: the speed benchmarks (installs the CPU PyTorch build); writes results/bench.{json,md}.
+bench: $(STAMP)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m experiments.bench
 
 ## make readme-table: regenerate the compressor table in README.md from the code.
 readme-table: $(STAMP)
