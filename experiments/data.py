@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_breast_cancer, load_digits
 from sklearn.model_selection import train_test_split
 
 
@@ -22,11 +23,16 @@ class Split:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-    """A train/test pair of splits with the number of classes."""
+    """A train/test pair of splits, the number of classes and how to deal the train split.
+
+    ``partition`` is ``"shuffle"`` (i.i.d. worker shards) or ``"contiguous"``
+    (the train split is ordered by worker; see :func:`worker_shards`).
+    """
 
     train: Split
     test: Split
     num_classes: int
+    partition: str = "shuffle"
 
 
 def _standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -57,3 +63,123 @@ def digits(seed: int = 0, test_size: float = 0.25) -> Dataset:
         test=Split(x_test, y_test.astype(np.int32)),
         num_classes=10,
     )
+
+
+def breast_cancer(seed: int = 0, test_size: float = 0.25) -> Dataset:
+    """scikit-learn's Wisconsin breast-cancer set: 569 examples, 30 features, 2 classes."""
+    x, y = load_breast_cancer(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=test_size, random_state=seed, stratify=y
+    )
+    x_train, x_test = _standardise(x_train, x_test)
+    return Dataset(
+        train=Split(x_train, y_train.astype(np.int32)),
+        test=Split(x_test, y_test.astype(np.int32)),
+        num_classes=2,
+    )
+
+
+def heterogeneous_logistic(
+    workers: int, per_worker: int = 64, features: int = 20, seed: int = 0
+) -> Dataset:
+    """A synthetic binary problem where every worker holds differently distributed data.
+
+    Worker ``i`` draws its features from ``N(mu_i, I)`` with its own mean
+    ``mu_i`` (norm 2) and labels from its own logistic model ``w + w_i``
+    (``w_i`` of norm 1.5 around a shared ``w``): the local optima differ, so
+    the local gradients at the global optimum do not vanish (the setting
+    where compressed gradient descent stalls and DIANA does not).  The train
+    split is ordered by worker (``partition="contiguous"``); the test split
+    draws from all workers equally.
+    """
+    rng = np.random.default_rng(seed)
+    shared = rng.normal(size=features)
+    shared *= 2.0 / np.linalg.norm(shared)
+
+    def unit(v):
+        return v / np.linalg.norm(v)
+
+    def draw(count, mean, weights):
+        x = rng.normal(size=(count, features)) + mean
+        p = 1.0 / (1.0 + np.exp(-x @ weights))
+        return x.astype(np.float32), (rng.uniform(size=count) < p).astype(np.int32)
+
+    parts = [
+        (2.0 * unit(rng.normal(size=features)), shared + 1.5 * unit(rng.normal(size=features)))
+        for _ in range(workers)
+    ]
+    train = [draw(per_worker, mean, w) for mean, w in parts]
+    test = [draw(max(per_worker // 4, 1), mean, w) for mean, w in parts]
+    return Dataset(
+        train=Split(np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train])),
+        test=Split(np.concatenate([x for x, _ in test]), np.concatenate([y for _, y in test])),
+        num_classes=2,
+        partition="contiguous",
+    )
+
+
+@functools.lru_cache(maxsize=4)
+def mnist1d(seed: int = 42) -> Dataset:
+    """MNIST-1D (Greydanus 2020) generated locally: 4000/1000 signals of length 40, 10 classes.
+
+    ``mnist1d.data.make_dataset`` builds it from templates (no download);
+    the signals are standardised with the train statistics.
+    """
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.seed = seed
+    data = make_dataset(args)
+    x_train, x_test = _standardise(np.asarray(data["x"]), np.asarray(data["x_test"]))
+    return Dataset(
+        train=Split(x_train, np.asarray(data["y"], np.int32)),
+        test=Split(x_test, np.asarray(data["y_test"], np.int32)),
+        num_classes=10,
+    )
+
+
+def majority_tokens(
+    train: int = 4096, test: int = 1024, length: int = 16, vocab: int = 8, seed: int = 0
+) -> Dataset:
+    """A sequence task: name the token that occurs most often (ties to the smallest token).
+
+    Each sequence is ``length`` tokens from ``vocab`` symbols with one symbol
+    favoured (drawn with three times the weight of each other), so every
+    answer needs the whole sequence: a task for attention.  ``x`` holds int32
+    tokens ``(n, length)``.
+    """
+    rng = np.random.default_rng(seed)
+
+    def draw(count):
+        favourite = rng.integers(vocab, size=count)
+        weights = np.ones((count, vocab))
+        weights[np.arange(count), favourite] = 3.0
+        weights /= weights.sum(axis=1, keepdims=True)
+        cum = np.cumsum(weights, axis=1)
+        u = rng.uniform(size=(count, length, 1))
+        tokens = np.minimum((u > cum[:, None, :]).sum(axis=-1), vocab - 1).astype(np.int32)
+        counts = np.stack([(tokens == v).sum(axis=1) for v in range(vocab)], axis=1)
+        return Split(tokens, counts.argmax(axis=1).astype(np.int32))
+
+    return Dataset(train=draw(train), test=draw(test), num_classes=vocab)
+
+
+def worker_shards(split: Split, workers: int, partition: str, seed: int = 0):
+    """Split the examples among ``workers`` equally: ``(workers, m, ...)`` features and labels.
+
+    ``partition="shuffle"`` deals a seeded permutation (i.i.d. shards);
+    ``"contiguous"`` gives worker ``i`` the ``i``-th block (data generated
+    per worker).  ``m = len(split) // workers``; the remainder is dropped.
+    """
+    if partition not in ("shuffle", "contiguous"):
+        raise ValueError(f"partition must be 'shuffle' or 'contiguous', got {partition!r}")
+    m = len(split) // workers
+    if m == 0:
+        raise ValueError(f"workers={workers} exceeds the {len(split)} training examples")
+    order = np.arange(len(split))
+    if partition == "shuffle":
+        order = np.random.default_rng(seed).permutation(len(split))
+    order = order[: m * workers]
+    x = split.x[order].reshape(workers, m, *split.x.shape[1:])
+    y = split.y[order].reshape(workers, m)
+    return x, y

@@ -1,0 +1,244 @@
+"""Every compjax method selectable by name: a small expression language for the harness.
+
+A method is written as a call expression of registered names, keyword
+hyperparameters and nested compressors::
+
+    dense()                                # the plain float32 all-reduce (the baseline)
+    qsgd(levels=4)                         # a bare compressor: compressed SGD (QSGD, DQGD)
+    diana(qsgd(levels=2))                  # a transformation taking a compressor
+    ef(scaled_sign())                      # error feedback (alias of error_feedback)
+    dgc(ratio=0.001, clip_norm=1.0, warmup_steps_per_phase=20)
+    powersgd(rank=2)                       # the axis name is supplied by the harness
+    rank_dad(rank=2)                       # gradients from gathered activations and deltas
+    chain(top_k(ratio=0.01), qsgd(levels=16))
+
+Only the registered names, numbers, strings, booleans, ``None``, tuples and
+lists are accepted (the text is parsed with :mod:`ast`, never evaluated).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import optax
+
+import compjax
+
+# The compressors (``compjax`` factories of the same names).
+COMPRESSORS: dict[str, Callable] = {
+    name: getattr(compjax, name)
+    for name in (
+        "identity",
+        "cast",
+        "qsgd",
+        "terngrad",
+        "sign",
+        "scaled_sign",
+        "natural",
+        "rand_k",
+        "top_k",
+        "atomo",
+        "atomo_svd",
+        "blockwise",
+        "chain",
+        "scaled",
+    )
+}
+
+# Transformations whose first argument is a compressor, and their aliases.
+WITH_COMPRESSOR: dict[str, Callable] = {
+    "compress": compjax.compress,
+    "error_feedback": compjax.error_feedback,
+    "ef": compjax.error_feedback,
+    "ef21": compjax.ef21,
+    "diana": compjax.diana,
+}
+
+# Transformations taking only the axis name and hyperparameters.
+WITH_AXIS: dict[str, Callable] = {
+    "sign_majority_vote": compjax.sign_majority_vote,
+    "signsgd": compjax.sign_majority_vote,
+    "signum": functools.partial(compjax.sign_majority_vote, momentum=0.9),
+    "terngrad_allreduce": compjax.terngrad_allreduce,
+    "dgc": compjax.dgc,
+    "powersgd": lambda axis_name, rank=1, **kw: compjax.powersgd(rank, axis_name, **kw),
+    "variance_based": compjax.variance_based,
+    "strom_threshold": compjax.strom_threshold,
+}
+
+# Methods that replace the gradient computation itself.
+GRADIENTS = ("dense", "dad", "rank_dad")
+
+# Message kinds (see compjax.collectives.record) that always travel by all-reduce.
+_REDUCED = frozenset({"dense", "flag", "scaler", "votes", "ternaries", "ranks"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A parsed method.
+
+    Attributes:
+      spec: the expression it was parsed from.
+      name: the outer name (``diana``, ``dgc``, a compressor's name, ...).
+      build: ``build(axis_name) -> optax.GradientTransformation``, the exchange.
+      gradients: ``"local"`` (each worker's gradient), ``"per_example"``
+        (variance-based compression), ``"dad"`` or ``"rank_dad"``.
+      kwargs: the hyperparameters of the outer call.
+      compressor: the compressor inside, if any.
+    """
+
+    spec: str
+    name: str
+    build: Callable[[Any], optax.GradientTransformation]
+    gradients: str = "local"
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    compressor: compjax.Compressor | None = None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+    def gathered(self, kind: str) -> bool:
+        """Whether a message of ``kind`` travels by all-gather (else by all-reduce)."""
+        if kind in _REDUCED:
+            return False
+        if kind in ("P", "Q"):
+            return self.name == "rank_dad"  # PowerSGD all-reduces its factors
+        if kind == "payload" and self.compressor is not None:
+            return not self.compressor.linear
+        return True  # signs, sparse payloads, dAD's activations and deltas
+
+    def dgc_phase(self, step: int) -> optax.GradientTransformation | None:
+        """For DGC with warm-up: a DGC without warm-up at the density of ``step``'s phase."""
+        if self.name != "dgc":
+            return None
+        opts = self.options
+        per_phase = int(opts.get("warmup_steps_per_phase", 0))
+        if per_phase == 0:
+            return None
+        warm = tuple(opts.get("warmup_ratios", compjax.transforms.dgc.PAPER_WARMUP))
+        phase = step // per_phase
+        if phase >= len(warm):
+            return None
+        return lambda axis: compjax.dgc(
+            axis, **{**opts, "ratio": warm[phase], "warmup_steps_per_phase": 0}
+        )
+
+
+class _Builder:
+    """Turns the parsed syntax tree into compressors and methods."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    def error(self, node: ast.AST, what: str) -> ValueError:
+        return ValueError(f"method {self.spec!r}: {what} (at column {node.col_offset})")
+
+    def value(self, node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -self.value(node.operand)
+        if isinstance(node, ast.Tuple | ast.List):
+            return tuple(self.value(e) for e in node.elts)
+        if isinstance(node, ast.Call):
+            return self.compressor(node)
+        raise self.error(node, f"unsupported expression {ast.dump(node)}")
+
+    def call_parts(self, node: ast.Call) -> tuple[str, list, dict]:
+        if not isinstance(node.func, ast.Name):
+            raise self.error(node, "a method is a call of a registered name")
+        args = [self.value(a) for a in node.args]
+        kwargs = {k.arg: self.value(k.value) for k in node.keywords}
+        return node.func.id, args, kwargs
+
+    def compressor(self, node: ast.Call) -> compjax.Compressor:
+        name, args, kwargs = self.call_parts(node)
+        if name not in COMPRESSORS:
+            raise self.error(node, f"{name!r} is not a compressor; one of {sorted(COMPRESSORS)}")
+        return COMPRESSORS[name](*args, **kwargs)
+
+    def method(self, node: ast.AST) -> Method:
+        if not isinstance(node, ast.Call):
+            raise self.error(node, "a method is a call such as diana(qsgd(levels=4))")
+        name, args, kwargs = self.call_parts(node)
+        items = tuple(sorted(kwargs.items()))
+        if name in COMPRESSORS:
+            comp = self.compressor(node)
+            return Method(
+                self.spec, name, lambda axis: compjax.compress(comp, axis), compressor=comp
+            )
+        if name in WITH_COMPRESSOR:
+            if len(args) != 1 or not isinstance(args[0], compjax.Compressor):
+                raise self.error(node, f"{name} takes one compressor, e.g. {name}(qsgd(levels=4))")
+            comp, factory = args[0], WITH_COMPRESSOR[name]
+            return Method(
+                self.spec,
+                name,
+                lambda axis: factory(comp, axis, **kwargs),
+                kwargs=items,
+                compressor=comp,
+            )
+        if args:
+            raise self.error(node, f"{name} takes keyword arguments only")
+        if name in WITH_AXIS:
+            factory = WITH_AXIS[name]
+            build = functools.partial(_with_axis, factory, kwargs)
+            build(None)  # validate the hyperparameters now (ValueError naming them)
+            gradients = "per_example" if name == "variance_based" else "local"
+            return Method(self.spec, name, build, gradients=gradients, kwargs=items)
+        if name == "dense":
+            if kwargs:
+                raise self.error(node, "dense() takes no arguments")
+            comp = compjax.identity()
+            return Method(
+                self.spec, name, lambda axis: compjax.compress(comp, axis), compressor=comp
+            )
+        if name in ("dad", "rank_dad"):
+            allowed = {"compressor"} | ({"rank", "iterations"} if name == "rank_dad" else set())
+            unknown = set(kwargs) - allowed
+            if unknown:
+                raise self.error(node, f"{name} got unexpected arguments {sorted(unknown)}")
+            if name == "rank_dad" and int(kwargs.get("rank", 0)) < 1:
+                raise self.error(node, "rank_dad needs rank >= 1")
+            return Method(
+                self.spec,
+                name,
+                lambda axis: optax.identity(),
+                gradients=name,
+                kwargs=items,
+                compressor=kwargs.get("compressor"),
+            )
+        known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS})
+        raise self.error(node, f"unknown method {name!r}; one of {known}")
+
+
+def _with_axis(factory: Callable, kwargs: dict, axis_name):
+    return factory(axis_name, **kwargs)
+
+
+def parse(spec: str) -> Method:
+    """Parse a method expression (see the module docstring).
+
+    Raises:
+      ValueError: a syntax error, an unknown name, or a hyperparameter the
+        compressor or transformation rejects (its message names it).
+    """
+    try:
+        tree = ast.parse(spec.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ValueError(f"method {spec!r} is not an expression: {err.msg}") from err
+    try:
+        return _Builder(spec).method(tree.body)
+    except TypeError as err:
+        raise ValueError(f"method {spec!r}: {err}") from err
+
+
+def slug(spec: str) -> str:
+    """A file-name-safe form of a method expression."""
+    keep = [c if c.isalnum() or c in "._-" else "_" for c in spec.replace(" ", "")]
+    return "".join(keep).strip("_").replace("__", "_")
