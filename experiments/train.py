@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import platform
@@ -125,11 +126,30 @@ class Config:
         return cfg
 
     def run_dir(self, root: Path = RESULTS) -> Path:
+        """``root/<task>/<method>-w<workers>-s<seed>-<hash>``.
+
+        The hash covers the resolved config and :func:`code_version`, so a
+        change to the library or the harness never reads back stale results.
+        """
         cfg = self.resolved()
-        text = json.dumps(dataclasses.asdict(cfg), sort_keys=True)
+        text = json.dumps(dataclasses.asdict(cfg), sort_keys=True) + code_version()
         digest = hashlib.sha256(text.encode()).hexdigest()[:8]
         name = f"{methods.slug(cfg.method)}-w{cfg.workers}-s{cfg.seed}-{digest}"
         return Path(root) / cfg.task / name
+
+
+@functools.cache
+def code_version() -> str:
+    """A hash of the sources a run depends on: ``compjax/`` and the harness modules."""
+    here = Path(__file__).parent
+    files = sorted(here.parent.joinpath("compjax").rglob("*.py"))
+    files += [
+        here / f"{m}.py" for m in ("train", "tasks", "data", "models", "methods", "costmodel")
+    ]
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 @dataclasses.dataclass
@@ -408,6 +428,7 @@ def run(
         "shard_size": problem.shard_size,
         "batch_size": problem.batch,
         "devices": [str(d) for d in problem.mesh.devices.flat],
+        "code_version": code_version(),
         "jax": jax.__version__,
         "machine": platform.machine(),
     }

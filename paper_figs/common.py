@@ -11,7 +11,10 @@ from tqdm.auto import tqdm
 from experiments import train
 
 OUT_DIR = pathlib.Path(__file__).parent / "out"
-RESULTS = pathlib.Path(__file__).parents[1] / "results"
+# Where runs are cached; COMPJAX_RESULTS points elsewhere (e.g. an empty folder for timing).
+RESULTS = pathlib.Path(
+    os.environ.get("COMPJAX_RESULTS", pathlib.Path(__file__).parents[1] / "results")
+)
 
 
 def full() -> bool:
