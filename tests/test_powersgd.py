@@ -11,7 +11,7 @@ import compjax
 from compjax.transforms.powersgd import orthogonalize
 
 P = jax.P
-PARAMS = {"w": jnp.zeros((16, 12)), "b": jnp.zeros(12), "k": jnp.zeros((8, 2, 3, 3))}
+PARAMS = {"w": jnp.zeros((16, 12)), "b": jnp.zeros(12), "k": jnp.zeros((3, 3, 2, 8))}
 N = 4
 
 
@@ -41,7 +41,7 @@ def gram_schmidt(m):
 
 def reference(q0, steps, rank, start_iter=0, n=N):
     """PowerSGD written plainly (numpy, float64) for the compressible leaves."""
-    shapes = {"w": (16, 12), "k": (8, 18)}
+    shapes = {"w": (16, 12), "k": (18, 8)}  # a flax conv kernel: (kh kw cin) x cout
     q = {k: np.asarray(q0[k], np.float64) for k in shapes}
     err = {k: np.zeros((n, *s)) for k, s in shapes.items()}
     outs = []
@@ -73,7 +73,7 @@ def test_matches_reference(start_iter):
         assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
     errors = state.error
     np.testing.assert_allclose(errors["w"][:, 0], err["w"], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(errors["k"][:, 0].reshape(N, 8, 18), err["k"], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(errors["k"][:, 0].reshape(N, 18, 8), err["k"], rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(errors["b"], 0.0)  # sent uncompressed, no memory
 
 
@@ -114,7 +114,7 @@ def test_exact_when_rank_covers_the_gradient():
     rng = np.random.default_rng(0)
     low = (rng.standard_normal((16, 2)) @ rng.standard_normal((2, 12))).astype(np.float32)
     tx = compjax.powersgd(2, None)
-    g = {"w": jnp.asarray(low), "b": jnp.ones(12), "k": jnp.zeros((8, 2, 3, 3))}
+    g = {"w": jnp.asarray(low), "b": jnp.ones(12), "k": jnp.zeros((3, 3, 2, 8))}
     upd, state = tx.update(g, tx.init(PARAMS))
     np.testing.assert_allclose(upd["w"], low, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(state.error["w"], 0.0, atol=1e-4)
@@ -129,11 +129,23 @@ def test_shared_initial_q_is_orthonormal():
 
 def test_bits_per_worker():
     report = compjax.communication(compjax.powersgd(2, "data"), PARAMS)
-    expect = 32 * 2 * (16 + 12) + 32 * 2 * (8 + 18) + 32 * 12 + 8  # P and Q, dense b, flag
+    expect = 32 * 2 * (16 + 12) + 32 * 2 * (18 + 8) + 32 * 12 + 8  # P and Q, dense b, flag
     assert report.bits_per_worker == expect
     # The warm-up all-reduce is not the steady state and is not counted.
     delayed = compjax.communication(compjax.powersgd(2, "data", start_iter=3), PARAMS)
     assert delayed.bits_per_worker == expect
+
+
+def test_kernel_layouts_put_output_channels_on_one_side():
+    flax_kernel = {"k": jnp.zeros((3, 3, 16, 32))}  # (kh, kw, cin, cout): (144) x 32
+    torch_kernel = {"k": jnp.zeros((32, 16, 3, 3))}  # (cout, cin, kh, kw): 32 x (144)
+    flax_bits = compjax.communication(compjax.powersgd(4, "data"), flax_kernel).bits_per_worker
+    torch_tx = compjax.powersgd(4, "data", channels_last=False)
+    torch_bits = compjax.communication(torch_tx, torch_kernel).bits_per_worker
+    assert flax_bits == torch_bits == 32 * 4 * (144 + 32) + 8
+    # read in the wrong layout the kernel is a 3 x 1536 matrix, not worth compressing at rank 4
+    wrong = compjax.communication(compjax.powersgd(4, "data", channels_last=False), flax_kernel)
+    assert wrong.bits_per_worker == 32 * flax_kernel["k"].size + 8
 
 
 @pytest.mark.parametrize(

@@ -52,7 +52,7 @@ def torch_updates(tmp_path, grads, q0, rank):
 def test_agrees_with_pytorch_hook(tmp_path, shape, rank):
     rng = np.random.default_rng(0)
     grads = rng.standard_normal((STEPS, WORLD, *shape)).astype(np.float32)
-    tx = compjax.powersgd(rank, "data", start_iter=START)
+    tx = compjax.powersgd(rank, "data", start_iter=START, channels_last=False)  # torch layout
     params = {"w": jnp.zeros(shape)}
     expected = torch_updates(tmp_path, grads, tx.init(params).q[0], rank)
     state = jax.vmap(lambda _: tx.init(params))(jnp.arange(WORLD))

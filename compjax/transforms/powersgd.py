@@ -43,20 +43,32 @@ class PowerSGDState(NamedTuple):
     PER_WORKER = ("error",)
 
 
-def matrix_view(shape) -> tuple[int, int]:
-    """``(shape[0], prod(shape[1:]))``: conv kernels become ``out x rest``."""
-    return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
+def matrix_view(shape, channels_last: bool = True) -> tuple[int, int]:
+    """The ``(rows, cols)`` matrix a tensor of ``shape`` is compressed as.
+
+    A matrix is itself; a tensor of 3 or more dimensions is a kernel whose
+    output channels form one side: the last axis with ``channels_last``
+    (flax/JAX layout, conv kernels ``(kh, kw, cin, cout)`` become
+    ``(kh kw cin) x cout``), else the first (PyTorch layout ``(cout, cin, kh,
+    kw)`` becomes ``cout x (cin kh kw)``, as PyTorch's hook views it).
+    """
+    if len(shape) < 2:
+        return (1, math.prod(shape))
+    if len(shape) > 2 and channels_last:
+        return (math.prod(shape[:-1]), shape[-1])
+    return (shape[0], math.prod(shape[1:]))
 
 
-def compressible(shape, rank: int, min_compression_rate: float) -> bool:
+def compressible(shape, rank: int, min_compression_rate: float, channels_last: bool = True) -> bool:
     """Compress a tensor of ``shape`` at ``rank``?
 
     As PyTorch's hook: only tensors of 2 or more dimensions, and only if
-    ``(rows + cols) * rank * min_compression_rate < rows * cols``.
+    ``(rows + cols) * rank * min_compression_rate < rows * cols`` for the
+    :func:`matrix_view` ``rows x cols``.
     """
     if len(shape) < 2:
         return False
-    rows, cols = matrix_view(shape)
+    rows, cols = matrix_view(shape, channels_last)
     r = min(rank, rows, cols)
     return (rows + cols) * r * min_compression_rate < rows * cols
 
@@ -81,11 +93,13 @@ def powersgd(
     min_compression_rate: float = 2.0,
     orthogonalization_epsilon: float = 0.0,
     seed: int = 0,
+    channels_last: bool = True,
 ) -> optax.GradientTransformation:
     """PowerSGD with error feedback and warm start; the update is the rank-``r`` mean.
 
-    For each leaf viewed as a matrix ``(rows, cols)`` and compressed (see
-    :func:`compressible`), each worker forms ``M_i = g_i + e_i`` and:
+    For each leaf viewed as a matrix ``(rows, cols)`` (see :func:`matrix_view`:
+    kernels of 3+ dimensions put their output channels on one side) and
+    compressed (see :func:`compressible`), each worker forms ``M_i = g_i + e_i`` and:
 
     1. ``P = sum_i M_i Q`` (all-reduce of ``rows x r``), orthonormalised by
        Gram-Schmidt;
@@ -108,6 +122,9 @@ def powersgd(
       min_compression_rate: compress only where it saves this factor.
       orthogonalization_epsilon: added to column norms in Gram-Schmidt.
       seed: seed of the shared initial ``Q``.
+      channels_last: kernels of 3+ dimensions have their output channels last
+        (flax/JAX, ``(kh, kw, cin, cout)``); ``False`` for PyTorch's
+        ``(cout, cin, kh, kw)``.
 
     Raises:
       ValueError: ``rank < 1``, ``start_iter < 0``, ``min_compression_rate < 1``
@@ -130,15 +147,15 @@ def powersgd(
 
     def plan(shape) -> int:
         """The rank used for a leaf of ``shape``, 0 if it is sent uncompressed."""
-        if not compressible(shape, rank, min_compression_rate):
+        if not compressible(shape, rank, min_compression_rate, channels_last):
             return 0
-        return min(rank, *matrix_view(shape))
+        return min(rank, *matrix_view(shape, channels_last))
 
     def initial_q(key, shape):
         r = plan(shape)
         if not r:
             return jnp.zeros((0,), jnp.float32)
-        cols = matrix_view(shape)[1]
+        cols = matrix_view(shape, channels_last)[1]
         return orthogonalize(jax.random.normal(key, (cols, r)), orthogonalization_epsilon)
 
     def init_fn(params):
@@ -152,7 +169,7 @@ def powersgd(
         return (psum(g.astype(jnp.float32), axis_name) / n).astype(g.dtype)
 
     def low_rank(g, e, q, n):
-        rows, cols = matrix_view(g.shape)
+        rows, cols = matrix_view(g.shape, channels_last)
         m = g.reshape(rows, cols).astype(jnp.float32) + e.reshape(rows, cols)
         p = m @ q
         record("P", p)
