@@ -233,10 +233,10 @@ class _Problem:
         kind, opts = self.method.gradients, self.method.options
         if kind in ("dad", "rank_dad"):
             key = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), step)
-            extra = {"rank": opts["rank"], "iterations": opts.get("iterations", 2)}
-            fn = compjax.dad_grads if kind == "dad" else compjax.rank_dad_grads
-            if kind == "dad":
-                extra = {}
+            fn, extra = compjax.dad_grads, {}
+            if kind == "rank_dad":
+                fn = compjax.rank_dad_grads
+                extra = {"rank": opts["rank"], "iterations": opts.get("iterations", 2)}
             (loss, acc), grads = fn(
                 self.loss_and_accuracy,
                 params,

@@ -201,3 +201,12 @@ def test_variance_based_logs_the_real_bits_not_the_padding(tmp_path):
     padded = result.info["steady_bits"]["allgather"] + result.info["steady_bits"]["allreduce"]
     assert np.all(bits < padded) and bits.sum() > 0
     assert math.isclose(result.records[-1]["cum_bits"], bits.sum())
+
+
+def test_dad_run_follows_the_dense_run(tmp_path):
+    """dAD rebuilds the pooled gradient exactly, so its run is the dense run."""
+    cfg = dataclasses.replace(SMALL, task="logreg_sgd", workers=2, steps=4, eval_every=2)
+    dense = train.run(cfg, tmp_path, progress=False)
+    dad = train.run(dataclasses.replace(cfg, method="dad()"), tmp_path, progress=False)
+    np.testing.assert_allclose(dad.column("loss")[1], dense.column("loss")[1], rtol=1e-5)
+    assert dad.records[1]["bits"] == 32 * 16 * (30 + 2)  # A (16 x 30) and Delta (16 x 2)
