@@ -36,12 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from compjax import packing
 from compjax.payload import Payload
 
 
@@ -70,10 +72,11 @@ def safe_norm(x: jax.Array, axis=None) -> jax.Array:
     No overflow for entries near the float32 limit and exactly 0 for a zero
     input (never NaN).
     """
-    a = jnp.abs(x)
-    m = jnp.max(a, axis=axis, keepdims=True, initial=0.0)
+    m = jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0)
     safe_m = jnp.where(m > 0, m, 1.0)
-    n = jnp.sqrt(jnp.sum(jnp.square(a / safe_m), axis=axis, keepdims=True))
+    # x / m, not |x| / m: each full-size intermediate has one consumer, so XLA
+    # fuses it into that consumer instead of materialising |x| (same values).
+    n = jnp.sqrt(jnp.sum(jnp.square(x / safe_m), axis=axis, keepdims=True))
     out = m * n
     return out.squeeze(axis) if axis is not None else out.reshape(())
 
@@ -83,22 +86,135 @@ def safe_divide(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
 
 
+def pack_codes(codes: jax.Array, width: int) -> jax.Array:
+    """:func:`compjax.packing.pack`, computed through 32-bit words (same bytes).
+
+    For widths below 8, ``32 // width`` codes are or-ed into a uint32 word and
+    the word is split into its four bytes, least significant first, by shifts
+    (independent of the machine's byte order).  XLA on a CPU runs this loop
+    over words several times faster than the byte-by-byte packing.
+    """
+    if width >= 8:
+        return packing.pack(codes, width)
+    per_word = 32 // width
+    n = codes.shape[0]
+    padded = jnp.pad(codes.astype(jnp.uint32), (0, -n % per_word)).reshape(-1, per_word)
+    shifts = jnp.uint32(width) * jnp.arange(per_word, dtype=jnp.uint32)
+    # Disjoint bit ranges: the sum is the bitwise or.
+    words = jnp.sum(padded << shifts, axis=1, dtype=jnp.uint32)
+    octets = (words[:, None] >> (jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32))) & 0xFF
+    return octets.astype(jnp.uint8).reshape(-1)[: packing.packed_bits(n, width) // 8]
+
+
+def unpack_codes(packed: jax.Array, width: int, n: int) -> jax.Array:
+    """:func:`compjax.packing.unpack` through 32-bit words: the first ``n`` codes, uint32.
+
+    Four bytes are read as one little-endian uint32 word (a bitcast, which
+    XLA's CPU code handles far better than byte-wise shifts; byte ``i`` holds
+    the least significant bits on every little-endian platform), then split
+    into its ``32 // width`` codes.
+    """
+    if width >= 8:
+        return packing.unpack(packed, width, n)
+    octets = jnp.pad(packed, (0, -packed.shape[0] % 4)).reshape(-1, 4)
+    if sys.byteorder == "little":
+        words = jax.lax.bitcast_convert_type(octets, jnp.uint32)
+    else:  # pragma: no cover - no big-endian JAX platform
+        o = octets.astype(jnp.uint32)
+        words = o[:, 0] | (o[:, 1] << 8) | (o[:, 2] << 16) | (o[:, 3] << 24)
+    shifts = jnp.uint32(width) * jnp.arange(32 // width, dtype=jnp.uint32)
+    codes = (words[:, None] >> shifts) & jnp.uint32((1 << width) - 1)
+    return codes.reshape(-1)[:n]
+
+
+def flatten(x: jax.Array) -> jax.Array:
+    """``x.reshape(-1)``, kept 1-D for XLA.
+
+    XLA would otherwise move the reshape past the elementwise work and run
+    every loop and reduction on ``x``'s own shape; for conv kernels such as
+    ``(2048, 1024, 1, 1)`` that makes a CPU reduction several times slower.
+    The optimisation barrier keeps the (free) reshape where it is.
+    """
+    flat = x.reshape(-1)
+    return jax.lax.optimization_barrier(flat) if x.ndim > 1 else flat
+
+
 def require_key(key, name: str):
     if key is None:
         raise ValueError(f"{name} is stochastic: compress needs a PRNG key, got key=None")
     return key
 
 
+#: Largest array size the counter-based sampler handles (a uint32 counter per entry).
+_MAX_COUNTER = 2**32
+
+
+def mix32(h: jax.Array) -> jax.Array:
+    """A bijection of uint32 with full avalanche (Wellons' ``lowbias32``).
+
+    Each step is invertible: ``h ^ (h >> s)`` for ``s >= 1`` (the top ``s``
+    bits are unchanged and determine the next ones) and multiplication by an
+    odd constant modulo ``2**32``.
+    """
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def counter_bits(seed: jax.Array, n: int) -> jax.Array:
+    """32 random bits for each of the counters ``0 .. n-1`` under a 64-bit ``seed``.
+
+    Entry ``i`` is ``mix32(mix32(i + s0) ^ s1)`` with ``seed = (s0, s1)``
+    (uint32, ``n <= 2**32``): a handful of integer operations per entry that
+    XLA fuses into the loop that consumes the bits, where a threefry draw per
+    entry costs several times a memory copy.  For a fixed ``i`` and ``s1`` the
+    map ``s0 -> bits[i]`` is a bijection of uint32 (a composition of
+    bijections), so a uniform ``s0`` gives exactly uniform 32 bits at every
+    entry, and two independent seeds give independent bits at the same entry.
+    """
+    i = jax.lax.iota(jnp.uint32, n)
+    return mix32(mix32(i + seed[0]) ^ seed[1])
+
+
+def uses_threefry(key) -> bool:
+    """Whether ``key`` is a threefry key (typed, or a raw key of the default impl)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(key)) == "threefry2x32"
+    return jax.config.jax_default_prng_impl == "threefry2x32" and key.shape[-1:] == (2,)
+
+
+def random_bits(key, shape) -> jax.Array:
+    """Uniform uint32 draws of ``shape``, one per entry, from a PRNG ``key``.
+
+    For threefry keys (JAX's default) one threefry draw gives a 64-bit seed
+    and :func:`counter_bits` expands it to one 32-bit word per entry: exactly
+    uniform at each entry and independent across independent keys (workers'
+    ``fold_in`` keys), at a fraction of a per-entry threefry draw.  Any other
+    key implementation (``rbg``, or a custom one such as the scripted keys of
+    ``proofs_checks``) draws with ``jax.random.bits``, so an implementation
+    that chooses the bits controls every entry's draw.
+    """
+    shape = tuple(shape)
+    n = math.prod(shape)
+    if uses_threefry(key) and n <= _MAX_COUNTER:
+        seed = jax.random.bits(key, (2,), jnp.uint32)
+        return counter_bits(seed, n).reshape(shape)
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
 def bernoulli(key, p: jax.Array) -> jax.Array:
     """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
 
-    Compares 32 random bits with ``p * 2**32``: the probability is exact for
-    ``p >= 2**-8`` (where ``p * 2**32`` is an integer) and otherwise off by
-    less than ``2**-32``.  ``jax.random.uniform`` would carry only 23 random
-    bits and round every probability up to a multiple of ``2**-23``.
-    ``p = 1`` is always true and ``p = 0`` always false.
+    Compares 32 random bits (:func:`random_bits`) with ``p * 2**32``: the
+    probability is exact for ``p >= 2**-8`` (where ``p * 2**32`` is an
+    integer) and otherwise off by less than ``2**-32``.
+    ``jax.random.uniform`` would carry only 23 random bits and round every
+    probability up to a multiple of ``2**-23``.  ``p = 1`` is always true and
+    ``p = 0`` always false.
     """
-    bits = jax.random.bits(key, p.shape, jnp.uint32)
+    bits = random_bits(key, p.shape)
     scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
     threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
     return (bits < threshold) | (p >= 1.0)
@@ -141,7 +257,7 @@ class Compressor:
     # -- the wire -----------------------------------------------------------
     def compress(self, key, x) -> Payload:
         x = self.check(key, x)
-        flat = x.reshape(-1)
+        flat = flatten(x)
         if not self.keeps_dtype:
             flat = flat.astype(jnp.float32)
         wire, side = self.encode(key, flat)

@@ -6,9 +6,12 @@ The stochastic compressors of compjax (QSGD, TernGrad, natural compression,
 ATOMO) make one independent binary decision per coordinate by comparing
 random bits with a threshold: 32 bits against ``p * 2**32``
 (``compjax.compressor.bernoulli``; QSGD, TernGrad, ATOMO) or, for natural
-compression, the top 23 bits against the mantissa.  A custom PRNG
-implementation (:func:`jax.extend.random.define_prng_impl`) whose
-``random_bits`` returns bits we choose lets us run the library's *own*
+compression, the top 23 bits against the mantissa.  The bits come from
+``compjax.compressor.random_bits``: for threefry keys a counter-based hash
+of one threefry draw, for any other PRNG implementation that
+implementation's ``random_bits``.  A custom PRNG implementation
+(:func:`jax.extend.random.define_prng_impl`) whose ``random_bits`` returns
+bits we choose therefore lets us run the library's *own*
 ``compress``/``decompress`` on every outcome.  The scripted key sets the top
 23 bits of each draw to ``m`` (the low 9 bits zero), so probabilities are
 resolved to ``2**-23``:
@@ -24,8 +27,11 @@ resolved to ``2**-23``:
   checks that each coordinate depends on its own draw only.
 
 The expectation of any function of the output is then an exact finite sum.
-What it assumes: JAX's samplers give independent uniform draws per
-coordinate (checked separately by Monte Carlo with real keys).
+What it assumes: the sampler gives independent uniform draws per
+coordinate.  For threefry keys each coordinate's 32 bits are exactly uniform
+(a bijection of a uniform seed) and independent across workers' keys; the
+rest is checked by Monte Carlo with real keys here and in
+``tests/test_fast_random.py``.
 """
 
 from __future__ import annotations

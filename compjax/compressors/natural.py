@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor
+from compjax.compressor import Compressor, pack_codes, random_bits, unpack_codes
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -33,17 +33,17 @@ class Natural(Compressor):
         exponent = (word >> _MANTISSA_BITS) & 0xFF
         mantissa = word & _MANTISSA_MASK
         # Round up with probability mantissa / 2**23: compare with 23 random bits.
-        draw = jax.random.bits(key, flat.shape, jnp.uint32) >> (32 - _MANTISSA_BITS)
+        draw = random_bits(key, flat.shape) >> (32 - _MANTISSA_BITS)
         up = (draw < mantissa).astype(jnp.uint32)
         finite = exponent < 255
         rounded = jnp.where(finite, jnp.minimum(exponent + up, _MAX_FINITE_EXPONENT), exponent)
         return {
             "exponents": rounded.astype(jnp.uint8),
-            "signs": packing.pack(word >> 31, 1),
+            "signs": pack_codes(word >> 31, 1),
         }, {}
 
     def decode(self, wire, side, n, dtype):
-        sign = packing.unpack(wire["signs"], 1, n) << 31
+        sign = unpack_codes(wire["signs"], 1, n) << 31
         word = sign | (wire["exponents"].astype(jnp.uint32) << _MANTISSA_BITS)
         return jax.lax.bitcast_convert_type(word, jnp.float32)
 

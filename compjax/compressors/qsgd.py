@@ -11,10 +11,18 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, safe_divide, safe_norm
+from compjax.compressor import (
+    Compressor,
+    bernoulli,
+    pack_codes,
+    safe_divide,
+    safe_norm,
+    unpack_codes,
+)
 
 
 def qsgd_omega(d: int, levels: int) -> float:
@@ -37,6 +45,31 @@ def qsgd_omega(d: int, levels: int) -> float:
     if d >= 4 * levels * levels:
         return math.sqrt(d) / levels - 1.0
     return d / (4.0 * levels * levels)
+
+
+#: Below this sum of squares float32 squares may have underflowed; above it they lose
+#: less than ``2**-30`` of it even for ``2**32`` entries (each lost square is below ``2**-126``).
+_SAFE_SQUARES = 2.0**-60
+
+
+def bucket_norms(xb: jax.Array) -> jax.Array:
+    """The Euclidean norm of each row of ``xb``, without overflow or underflow.
+
+    One pass, ``sqrt(sum x^2)``, where every row's sum of squares is finite and
+    at least ``_SAFE_SQUARES`` (no square overflowed, and underflowed ones are
+    negligible); otherwise (huge or tiny entries, a zero row)
+    :func:`compjax.compressor.safe_norm`, which scales by ``max|x|`` first and
+    costs two passes.
+    """
+    squares = jnp.sum(jnp.square(xb), axis=1)
+    fast = jnp.all(jnp.isfinite(squares) & (squares >= _SAFE_SQUARES))
+    return jax.lax.cond(fast, lambda: jnp.sqrt(squares), lambda: safe_norm(xb, axis=1))
+
+
+def _with_sign(value: jax.Array, sign: jax.Array) -> jax.Array:
+    """``value`` with its float32 sign bit xor-ed with ``sign`` (``0`` or ``1 << 31``)."""
+    bits = jax.lax.bitcast_convert_type(value, jnp.uint32) ^ sign
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,24 +97,28 @@ class QSGD(Compressor):
         d = flat.shape[0]
         size, count = self._buckets(d)
         xb = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
-        norms = safe_norm(xb, axis=1)
-        ratio = jnp.minimum(safe_divide(jnp.abs(xb), norms[:, None]), 1.0)
+        norms = bucket_norms(xb)
+        ratio = jnp.minimum(jnp.abs(safe_divide(xb, norms[:, None])), 1.0)
         scaled = self.levels * ratio
         low = jnp.floor(scaled)
         up = bernoulli(key, scaled - low)
         level = jnp.minimum(low + up, self.levels).astype(jnp.uint32)
         sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
         codes = (level | sign).reshape(-1)[:d]
-        return {"norms": norms, "codes": packing.pack(codes, self.width)}, {}
+        return {"norms": norms, "codes": pack_codes(codes, self.width)}, {}
 
     def decode(self, wire, side, n, dtype):
         size, count = self._buckets(n)
-        codes = packing.unpack(wire["codes"], self.width, n)
+        codes = unpack_codes(wire["codes"], self.width, n)
         level = (codes & ((1 << self.magnitude_bits) - 1)).astype(jnp.float32)
-        negative = (codes >> (self.width - 1)) == 1
-        norms = jnp.repeat(wire["norms"], size, total_repeat_length=count * size)[:n]
-        value = norms * (level / self.levels)
-        return jnp.where(negative, -value, value)
+        # The sign bit moved to float32's sign: exactly ``where(negative, -value, value)``
+        # (negation flips the sign bit), which XLA's CPU loops run several times slower.
+        sign = (codes >> (self.width - 1)) << 31
+        if count == 1:  # one norm: a scalar keeps the loop flat
+            return _with_sign(wire["norms"][0] * (level / self.levels), sign)
+        level = jnp.pad(level, (0, count * size - n)).reshape(count, size)
+        value = (wire["norms"][:, None] * (level / self.levels)).reshape(-1)[:n]
+        return _with_sign(value, sign)
 
     def omega(self, d):
         size, _ = self._buckets(d)

@@ -13,15 +13,35 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor
+from compjax.compressor import Compressor, pack_codes, unpack_codes
 
 
 def sign_bits(x):
     """1 where ``x < 0`` else 0 (zero and +0 are sent as positive)."""
     return (x < 0).astype(jnp.uint32)
+
+
+def mean_abs(flat: jax.Array) -> jax.Array:
+    """``||x||_1 / d`` of a non-empty 1-D array, without overflow or underflow.
+
+    One pass, ``sum |x| / d``, when that sum is finite (a sum of magnitudes
+    loses nothing to underflow); otherwise (it overflowed, or ``x`` holds an
+    Inf or NaN) ``m * mean(|x / m|)`` with ``m = max|x|``, two passes.
+    """
+    total = jnp.sum(jnp.abs(flat))
+
+    def scaled():
+        m = jnp.max(jnp.abs(flat), initial=0.0)
+        safe_m = jnp.where(m > 0, m, 1.0)
+        # |x / m| rather than |x| / m (same values): no full-size |x| shared
+        # by two reductions, which XLA would materialise.
+        return m * jnp.mean(jnp.abs(flat / safe_m))
+
+    return jax.lax.cond(jnp.isfinite(total), lambda: total / flat.size, scaled)
 
 
 def sign_values(bits):
@@ -36,10 +56,10 @@ class Sign(Compressor):
     deterministic: ClassVar[bool] = True
 
     def encode(self, key, flat):
-        return {"signs": packing.pack(sign_bits(flat), 1)}, {}
+        return {"signs": pack_codes(sign_bits(flat), 1)}, {}
 
     def decode(self, wire, side, n, dtype):
-        return sign_values(packing.unpack(wire["signs"], 1, n))
+        return sign_values(unpack_codes(wire["signs"], 1, n))
 
     def bits(self, shape, dtype=jnp.float32):
         return packing.packed_bits(math.prod(shape), 1)
@@ -52,14 +72,12 @@ class ScaledSign(Compressor):
     deterministic: ClassVar[bool] = True
 
     def encode(self, key, flat):
-        a = jnp.abs(flat)
-        m = jnp.max(a, initial=0.0)
-        safe_m = jnp.where(m > 0, m, 1.0)
-        scale = m * jnp.mean(a / safe_m) if flat.size else jnp.float32(0.0)
-        return {"scale": scale, "signs": packing.pack(sign_bits(flat), 1)}, {}
+        if not flat.size:
+            return {"scale": jnp.float32(0.0), "signs": pack_codes(sign_bits(flat), 1)}, {}
+        return {"scale": mean_abs(flat), "signs": pack_codes(sign_bits(flat), 1)}, {}
 
     def decode(self, wire, side, n, dtype):
-        return wire["scale"] * sign_values(packing.unpack(wire["signs"], 1, n))
+        return wire["scale"] * sign_values(unpack_codes(wire["signs"], 1, n))
 
     def delta(self, d):
         return 1.0 / d if d > 0 else 1.0

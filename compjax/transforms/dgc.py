@@ -113,19 +113,16 @@ def exact_select(x: jax.Array, k: int, capacity: int | None = None) -> Selection
     return Selection(_padded(idx, capacity or k, mag.shape[0]), jnp.int32(k), jnp.bool_(True))
 
 
-def _estimate_threshold(mag, k, offset, sample_ratio):
-    d = mag.shape[0]
+def _samples(x, k, offset, sample_ratio):
+    """``|x|`` at the strided sample positions, and the rank of the threshold among them."""
+    d = x.shape[0]
     stride, num = sample_layout(d, k, sample_ratio)
-    samples = mag[offset % stride + stride * jnp.arange(num)]
-    top = min(num, max(1, _ceil(num * k / d)))
-    return jax.lax.top_k(samples, top)[0][-1]
+    samples = jnp.abs(x[offset % stride + stride * jnp.arange(num)])
+    return samples, min(num, max(1, _ceil(num * k / d)))
 
 
-def _adapt(mag, threshold, low, max_adaptation_iters, factor):
+def _adapt(count, threshold, low, max_adaptation_iters, factor):
     """Lower the threshold by ``factor`` while fewer than ``low`` entries pass it."""
-
-    def count(t):
-        return jnp.sum(mag >= t, dtype=jnp.int32)
 
     def cond(carry):
         _, n, i = carry
@@ -137,6 +134,198 @@ def _adapt(mag, threshold, low, max_adaptation_iters, factor):
 
     threshold, n, _ = jax.lax.while_loop(cond, body, (threshold, count(threshold), 0))
     return threshold, n
+
+
+# -- the fast path: blocks of |x| ---------------------------------------------------
+# On a CPU, XLA runs a plain reduction of x at memory speed, but a pass that
+# compares every entry with a threshold and sums the result, or a prefix sum
+# over all entries (``jnp.nonzero``), costs several times more.  The selection
+# is sparse, so the fast path reduces x once to the maximum of |x| over blocks
+# of ``_BLOCK`` entries; for a threshold t only the blocks whose maximum
+# reaches t (at most as many as the entries that pass) can hold a selected
+# entry, and counting and the ordered compaction run on those blocks only.
+# The result is the reference path's selection, entry for entry.
+_BLOCK = 64
+_PREFIX_ROW = 64  # prefix sums as products with a triangular matrix, 64 per row
+_EXACT_F32 = 2**24  # integers up to here are exact in float32
+
+
+def _kth_largest(values: jax.Array, top: int) -> jax.Array:
+    """``jax.lax.top_k(values, top)[0][-1]`` for 1-D ``values >= 0``, without a full top-k.
+
+    The ``top`` largest values lie in the ``top`` blocks with the largest
+    maxima: a block left out has its maximum, hence all its entries, at most
+    the ``top``-th largest block maximum, which is at most the ``top``-th
+    largest value (the ``top`` chosen block maxima are ``top`` entries).
+    """
+    m = values.shape[0]
+    rows = -(-m // _BLOCK)
+    if rows <= 2 * top:
+        return jax.lax.top_k(values, top)[0][-1]
+    blocks = jnp.pad(values, (0, rows * _BLOCK - m), constant_values=-1.0).reshape(rows, _BLOCK)
+    best = jax.lax.top_k(jnp.max(blocks, axis=1), top)[1]
+    return jax.lax.top_k(blocks[best].reshape(-1), top)[0][-1]
+
+
+def _row_prefix(counts: jax.Array) -> jax.Array:
+    """Exclusive prefix sums of a 2-D array of small counts, in row-major order, as int32.
+
+    Within rows, a product with a triangular matrix of ones (exact in float32:
+    every partial sum stays below ``2**24``); across rows, the same on the row
+    totals, down to ``_PREFIX_ROW`` of them.  ``jnp.cumsum`` over many entries
+    costs XLA on a CPU tens of times a pass over them.
+    """
+    rows, cols = counts.shape
+    upper = jnp.triu(jnp.ones((cols, cols), jnp.float32))
+    within = jnp.matmul(
+        counts.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST
+    ).astype(jnp.int32)
+    totals = within[:, -1]
+    if rows <= _PREFIX_ROW:
+        offsets = jnp.cumsum(totals) - totals
+    else:
+        offsets = _prefix(totals)
+    return within - counts.astype(jnp.int32) + offsets[:, None]
+
+
+def _prefix(counts: jax.Array) -> jax.Array:
+    """Exclusive prefix sums of a 1-D array of counts of at most ``_BLOCK``, as int32."""
+    m = counts.shape[0]
+    if m <= _PREFIX_ROW or m * _BLOCK > _EXACT_F32:
+        return (jnp.cumsum(counts, dtype=jnp.int32) - counts).astype(jnp.int32)
+    rows = -(-m // _PREFIX_ROW)
+    padded = jnp.pad(counts, (0, rows * _PREFIX_ROW - m)).reshape(rows, _PREFIX_ROW)
+    return _row_prefix(padded).reshape(-1)[:m]
+
+
+def _compact(mask: jax.Array, values: jax.Array, size: int, fill: int) -> jax.Array:
+    """``values`` where ``mask`` holds, in row-major order, in ``size`` slots padded with ``fill``.
+
+    ``values[jnp.nonzero(mask, size=size)]`` with the unused slots set to
+    ``fill`` (true entries beyond the first ``size`` are dropped).  ``mask``
+    and ``values`` are 1-D, or 2-D with at most ``_BLOCK`` columns.
+    """
+    prefix = _prefix(mask) if mask.ndim == 1 else _row_prefix(mask)
+    pos = jnp.where(mask, prefix, size).reshape(-1)
+    out = jnp.full((size,), fill, jnp.int32)
+    return out.at[pos].set(values.reshape(-1).astype(jnp.int32), mode="drop")
+
+
+_SUB_BLOCK = 8  # the final selection narrows the candidate blocks to blocks of 8
+
+
+class _Blocks(NamedTuple):
+    """``x`` as rows of ``_BLOCK`` entries and the maximum of ``|x|`` over each row."""
+
+    rows: jax.Array
+    maxima: jax.Array
+    d: int
+
+    @classmethod
+    def of(cls, flat: jax.Array) -> _Blocks:
+        d = flat.shape[0]
+        count = -(-d // _BLOCK)
+        rows = jnp.pad(flat, (0, count * _BLOCK - d)).reshape(count, _BLOCK)
+        # max(max x, -min x): reductions of x itself, which XLA runs at memory
+        # speed, where max |x| over rows would first materialise |x|.
+        maxima = jnp.maximum(jnp.max(rows, axis=1), -jnp.min(rows, axis=1))
+        return cls(rows, maxima, d)
+
+    def candidates(self, t, capacity: int):
+        """The first ``capacity`` blocks whose maximum reaches ``t``, and the count.
+
+        Returns ``(count, ids)``: ``count(|x| >= t)`` if at most ``capacity``
+        blocks reach ``t``, else the number of those blocks (above
+        ``capacity``, and at most the count); and those blocks in order,
+        ``capacity`` slots (unused ones hold the number of blocks).
+        """
+        nb = self.maxima.shape[0]
+        active = self.maxima >= t
+        ids = _compact(active, jnp.arange(nb), capacity, nb)
+        values, index = self.entries(ids)
+        passes = jnp.sum((jnp.abs(values) >= t) & (index < self.d), dtype=jnp.int32)
+        blocks = jnp.sum(active, dtype=jnp.int32)
+        return jnp.where(blocks > capacity, blocks, passes), ids
+
+    def entries(self, ids):
+        """The entries of blocks ``ids`` and their flat indices, ``(len(ids), _BLOCK)`` each
+        (zeros and indices ``>= d`` for ids past the last block)."""
+        values = self.rows.at[ids].get(mode="fill", fill_value=0.0)
+        return values, ids[:, None] * _BLOCK + jnp.arange(_BLOCK, dtype=jnp.int32)
+
+    def select(self, t, ids, capacity: int):
+        """The flat indices of ``|x| >= t`` in order, ``capacity`` slots padded with ``d``.
+
+        ``ids`` are the candidate blocks of :meth:`candidates` for ``t``,
+        which (at most ``capacity`` entries reaching ``t``) hold every entry
+        that does.  They are narrowed to the sub-blocks of ``_SUB_BLOCK``
+        entries whose maximum reaches ``t`` (at most ``capacity`` of them) before
+        the entries are compacted.
+        """
+        values, index = self.entries(ids)
+        sub_values = values.reshape(-1, _SUB_BLOCK)
+        sub_index = index.reshape(-1, _SUB_BLOCK)
+        sub_max = jnp.maximum(jnp.max(sub_values, axis=1), -jnp.min(sub_values, axis=1))
+        n_sub = sub_max.shape[0]
+        ids = _compact(sub_max >= t, jnp.arange(n_sub), capacity, n_sub)
+        values = sub_values.at[ids].get(mode="fill", fill_value=0.0)
+        index = sub_index.at[ids].get(mode="fill", fill_value=self.d)
+        passes = (jnp.abs(values) >= t) & (index < self.d)
+        return _compact(passes, index, capacity, self.d)
+
+
+def _reference_select(mag, samples, top, k, band, max_adaptation_iters):
+    """The selection by full passes over ``mag = |x|`` (taken where ``x`` holds a NaN)."""
+    d = mag.shape[0]
+    low, capacity = band_limits(k, d, band)
+    threshold = jax.lax.top_k(samples, top)[0][-1]
+
+    def count(t):
+        return jnp.sum(mag >= t, dtype=jnp.int32)
+
+    threshold, n = _adapt(count, threshold, low, max_adaptation_iters, band[0])
+    accept = (n >= low) & (n <= capacity)
+
+    def by_threshold():
+        return jnp.nonzero(mag >= threshold, size=capacity, fill_value=d)[0].astype(jnp.int32)
+
+    def by_top_k():
+        return exact_select(mag, k, capacity).indices
+
+    return jax.lax.cond(accept, by_threshold, by_top_k), n, accept
+
+
+def _blocked_select(flat, samples, top, k, band, max_adaptation_iters, blocks):
+    """:func:`_reference_select` on blocks: the same selection, at a fraction of its cost.
+
+    Where more than ``capacity`` blocks reach the threshold, the count used is
+    the number of those blocks: like the true count it is above ``capacity``,
+    so the adaptation stops and the selection falls back to the exact top-k,
+    as in the reference.
+    """
+    d = flat.shape[0]
+    low, capacity = band_limits(k, d, band)
+
+    def cond(carry):
+        return (carry[1] < low) & (carry[2] < max_adaptation_iters)
+
+    def body(carry):
+        t = carry[0] * band[0]
+        n, ids = blocks.candidates(t, capacity)
+        return t, n, carry[2] + 1, ids
+
+    threshold = _kth_largest(samples, top)
+    n, ids = blocks.candidates(threshold, capacity)
+    threshold, n, _, ids = jax.lax.while_loop(cond, body, (threshold, n, 0, ids))
+    accept = (n >= low) & (n <= capacity)
+
+    def by_threshold():
+        return blocks.select(threshold, ids, capacity)
+
+    def by_top_k():
+        return exact_select(flat, k, capacity).indices
+
+    return jax.lax.cond(accept, by_threshold, by_top_k), n, accept
 
 
 def sampled_threshold_select(
@@ -174,20 +363,19 @@ def sampled_threshold_select(
     Returns:
       A :class:`Selection`.
     """
-    mag = jnp.abs(x.reshape(-1)).astype(jnp.float32)
-    d = mag.shape[0]
-    low, capacity = band_limits(k, d, band)
-    threshold = _estimate_threshold(mag, k, offset, sample_ratio)
-    threshold, n = _adapt(mag, threshold, low, max_adaptation_iters, band[0])
-    accept = (n >= low) & (n <= capacity)
-
-    def by_threshold():
-        return jnp.nonzero(mag >= threshold, size=capacity, fill_value=d)[0].astype(jnp.int32)
-
-    def by_top_k():
-        return exact_select(mag, k, capacity).indices
-
-    indices = jax.lax.cond(accept, by_threshold, by_top_k)
+    flat = x.reshape(-1).astype(jnp.float32)
+    samples, top = _samples(flat, k, offset, sample_ratio)
+    args = (samples, top, k, band, max_adaptation_iters)
+    blocks = _Blocks.of(flat)
+    # With a NaN in x the block maxima are unreliable (XLA's CPU max reduction
+    # may drop earlier entries when it meets a NaN): take the full passes.  The
+    # sum is NaN if x holds a NaN (or both infinities: the full passes, too).
+    has_nan = jnp.isnan(jnp.sum(flat))
+    indices, n, accept = jax.lax.cond(
+        has_nan,
+        lambda: _reference_select(jnp.abs(flat), *args),
+        lambda: _blocked_select(flat, *args, blocks),
+    )
     return Selection(indices, jnp.where(accept, n, k).astype(jnp.int32), ~accept)
 
 

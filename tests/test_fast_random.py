@@ -1,0 +1,212 @@
+"""The counter-based sampler behind ``bernoulli`` and natural compression.
+
+``compjax.compressor.random_bits`` expands one threefry draw (a 64-bit seed
+``(s0, s1)``) to 32 bits per entry, ``mix32(mix32(i + s0) ^ s1)``.
+What the theory needs, and how it is checked here:
+
+* **exact marginals**: for each entry ``i`` and each ``s1`` the map
+  ``s0 -> bits[i]`` is a bijection of uint32 (checked by inverting the
+  library's own output step by step), so a uniform seed gives exactly
+  uniform 32 bits and ``bernoulli`` rounds up with probability exactly
+  ``T / 2**32`` for its integer threshold ``T = p 2**32`` (``p >= 2**-8``);
+* **independent workers**: independent seeds (``fold_in`` keys) give
+  independent bits at every entry, a function of independent variables;
+* **pseudo-randomness within one draw** (neighbouring entries, frequencies,
+  joint frequencies across workers' keys): chi-square and binomial tests
+  with fixed seeds, each at false-alarm probability 1e-6.
+
+Dispatch: threefry keys (typed or raw) take the hash; any other
+implementation (``rbg``, the scripted keys of ``proofs_checks``) draws with
+``jax.random.bits``, so an implementation that chooses the bits chooses every
+entry's draw.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+import compjax
+from compjax.compressor import bernoulli, counter_bits, mix32, random_bits
+
+ALPHA = 1e-6  # false-alarm probability of each statistical test
+Z = float(stats.norm.isf(ALPHA / 2))  # two-sided z bound, about 4.9
+M32 = (1 << 32) - 1
+
+
+def np_unxorshift(h: np.ndarray, s: int) -> np.ndarray:
+    """Inverse of ``h ^ (h >> s)`` on uint64-held uint32 values."""
+    x = h.copy()
+    shift = s
+    while shift < 32:
+        x = h ^ (x >> s)
+        shift += s
+    return x & M32
+
+
+def np_unmix32(h: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`mix32`, step by step (multiplication by the inverse odd constant)."""
+    h = np.asarray(h, np.uint64)
+    h = np_unxorshift(h, 16)
+    h = (h * pow(0x846CA68B, -1, 1 << 32)) & M32
+    h = np_unxorshift(h, 15)
+    h = (h * pow(0x7FEB352D, -1, 1 << 32)) & M32
+    return np_unxorshift(h, 16)
+
+
+def test_mix32_is_a_bijection():
+    """The library's mix32 inverted by the step-by-step inverse, on 2**20 values and the edges."""
+    rng = np.random.default_rng(0)
+    h = np.concatenate([rng.integers(0, 1 << 32, 1 << 20, np.uint64), [0, 1, M32, 1 << 31]])
+    out = np.asarray(jax.jit(mix32)(jnp.asarray(h, jnp.uint32)), np.uint64)
+    np.testing.assert_array_equal(np_unmix32(out), h)
+    assert 0x7FEB352D % 2 == 1 and 0x846CA68B % 2 == 1  # odd: invertible modulo 2**32
+
+
+def test_each_entry_is_a_bijection_of_the_seed():
+    """For fixed i and s1, s0 -> bits[i] is inverted exactly: uniform s0, exactly uniform bits."""
+    rng = np.random.default_rng(1)
+    n = 4096
+    s0 = rng.integers(0, 1 << 32, 512, np.uint64)
+    s1 = rng.integers(0, 1 << 32, 512, np.uint64)
+    seeds = jnp.asarray(np.stack([s0, s1], axis=1), jnp.uint32)
+    bits = np.asarray(jax.jit(jax.vmap(lambda s: counter_bits(s, n)))(seeds), np.uint64)
+    i = np.arange(n, dtype=np.uint64)
+    recovered = np_unmix32(np_unmix32(bits) ^ s1[:, None])
+    recovered = (recovered - i) & M32
+    np.testing.assert_array_equal(recovered, np.broadcast_to(s0[:, None], recovered.shape))
+
+
+@pytest.mark.parametrize("p", [2.0**-8, 0.1, 0.5, 0.75, 1 - 2.0**-8])
+def test_bernoulli_threshold_is_exact(p):
+    """Under uniform bits the probability is threshold / 2**32, and the threshold is p 2**32
+    exactly for p >= 2**-8: the draw is exact given the bijection above."""
+    q = jnp.float32(p)
+    threshold = jnp.minimum(q * 2.0**32, 2.0**32 - 256).astype(jnp.uint32)
+    assert int(threshold) == int(float(q) * 2**32)
+    # The boundary draws: T - 1 is below the threshold (true), T is not.
+    assert bool(jnp.asarray(int(threshold) - 1, jnp.uint32) < threshold)
+    assert not bool(jnp.asarray(int(threshold), jnp.uint32) < threshold)
+
+
+def test_dispatch():
+    """Threefry keys (typed and raw) take the hash; other implementations their own bits."""
+    key = jax.random.key(3)
+    bits = jax.jit(random_bits, static_argnums=1)
+    expect = counter_bits(jax.random.bits(key, (2,), jnp.uint32), 12).reshape(3, 4)
+    np.testing.assert_array_equal(bits(key, (3, 4)), expect)
+    np.testing.assert_array_equal(bits(jax.random.key_data(key), (3, 4)), expect)
+    rbg = jax.random.key(3, impl="rbg")
+    np.testing.assert_array_equal(bits(rbg, (3, 4)), jax.random.bits(rbg, (3, 4)))
+    keys = jax.random.split(key, 5)
+    batched = jax.jit(jax.vmap(lambda k: random_bits(k, (7,))))(keys)
+    for k, row in zip(keys, batched, strict=True):
+        np.testing.assert_array_equal(row, bits(k, (7,)))
+
+
+def test_scripted_keys_choose_every_draw():
+    """proofs_checks' scripted implementation still sets each entry's draw (its exact checks)."""
+    from proofs_checks._common import LAST, scripted_key
+
+    m = jnp.asarray([0, LAST, 0, LAST, 5, LAST - 5, 0], jnp.uint32)
+    key = scripted_key(m, 8)
+    draws = random_bits(key, (7,))
+    np.testing.assert_array_equal(draws, m << 9)
+    up = bernoulli(key, jnp.full((7,), 0.5))
+    np.testing.assert_array_equal(up, np.asarray(m << 9) < 2**31)
+
+
+def _draws(seed: int, n: int) -> np.ndarray:
+    return np.asarray(jax.jit(lambda k: random_bits(k, (n,)))(jax.random.key(seed)), np.uint64)
+
+
+def chi2_ok(counts: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
+    stat = float(np.sum((counts - expected) ** 2 / expected))
+    return stat, float(stats.chi2.isf(ALPHA, counts.size - 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bytes_are_uniform_within_one_draw(seed):
+    """Top, middle and low byte of 2**20 entries of one key: 256-bin chi-square each."""
+    bits = _draws(seed, 1 << 20)
+    for shift in (24, 12, 0):
+        counts = np.bincount(((bits >> shift) & 0xFF).astype(np.int64), minlength=256)
+        stat, bound = chi2_ok(counts, np.full(256, bits.size / 256))
+        assert stat < bound, (shift, stat, bound)
+
+
+@pytest.mark.parametrize("lag", [1, 2, 64, 4096])
+def test_neighbouring_entries_are_independent(lag):
+    """Joint frequencies of the top 4 bits of entries i and i + lag: 16 x 16 chi-square."""
+    bits = _draws(2, 1 << 20)
+    a, b = (bits[:-lag] >> 28).astype(np.int64), (bits[lag:] >> 28).astype(np.int64)
+    counts = np.bincount(16 * a + b, minlength=256)
+    stat, bound = chi2_ok(counts, np.full(256, a.size / 256))
+    assert stat < bound, (stat, bound)
+
+
+def test_workers_fold_in_keys_are_independent():
+    """Eight workers' fold_in keys: joint top-4-bit frequencies of each pair at the same
+    entries, and bernoulli(1/2) agreement at the rate 1/2."""
+    n = 1 << 17
+    key = jax.random.key(4)
+    workers = jax.vmap(lambda w: random_bits(jax.random.fold_in(key, w), (n,)))(jnp.arange(8))
+    top = np.asarray(workers >> 28, np.int64)
+    for a in range(8):
+        for b in range(a + 1, 8):
+            counts = np.bincount(16 * top[a] + top[b], minlength=256)
+            stat, bound = chi2_ok(counts, np.full(256, n / 256))
+            assert stat < bound, (a, b, stat, bound)
+    coins = np.asarray(workers, np.uint64) < (1 << 31)
+    agree = (coins[:, None, :] == coins[None, :, :]).mean(axis=2)[np.triu_indices(8, 1)]
+    se = 0.5 / np.sqrt(n)
+    assert np.all(np.abs(agree - 0.5) < Z * se), agree
+
+
+@pytest.mark.parametrize("p", [2.0**-8, 0.3, 0.5, 0.9])
+def test_bernoulli_frequency(p):
+    """The fraction of true draws over 2**20 entries of each of 4 keys: binomial z-test."""
+    n, keys = 1 << 20, jax.random.split(jax.random.key(5), 4)
+    draws = jax.jit(jax.vmap(lambda k: bernoulli(k, jnp.full((n,), p, jnp.float32))))(keys)
+    total = n * len(keys)
+    z = (float(jnp.sum(draws)) - total * p) / np.sqrt(total * p * (1 - p))
+    assert abs(z) < Z, z
+
+
+def test_seed_bits_avalanche():
+    """Flipping any one seed bit flips each output bit with frequency near 1/2."""
+    n = 1 << 12
+    seed = jnp.asarray([0x12345678, 0x9ABCDEF0], jnp.uint32)
+    base = np.asarray(counter_bits(seed, n), np.uint64)
+    for word in range(2):
+        for bit in range(0, 32, 5):
+            flipped = seed.at[word].set(seed[word] ^ jnp.uint32(1 << bit))
+            diff = base ^ np.asarray(counter_bits(flipped, n), np.uint64)
+            rate = np.unpackbits(diff.astype(">u4").view(np.uint8)).mean()
+            assert abs(rate - 0.5) < Z * 0.5 / np.sqrt(32 * n), (word, bit, rate)
+
+
+def test_unbiased_compressors_use_it():
+    """QSGD, TernGrad and natural compression with threefry keys: different keys give
+    different roundings, the same key the same one."""
+    x = jnp.linspace(-1.0, 1.0, 1001)
+    for comp in (compjax.qsgd(4), compjax.terngrad(), compjax.natural()):
+        run = jax.jit(jax.vmap(comp, in_axes=(0, None)))
+        a, b, c = run(jax.random.split(jax.random.key(0), 3), x)
+        assert not np.array_equal(a, b)
+        np.testing.assert_array_equal(run(jax.random.split(jax.random.key(0), 3), x)[2], c)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_word_packing_matches_the_wire_format(width):
+    """pack_codes / unpack_codes (through uint32 words) give packing.pack's bytes exactly."""
+    from compjax import packing
+    from compjax.compressor import pack_codes, unpack_codes
+
+    rng = np.random.default_rng(width)
+    for n in (0, 1, 7, 8, 9, 31, 32, 33, 100):
+        codes = jnp.asarray(rng.integers(0, 1 << width, n), jnp.uint32)
+        packed = packing.pack(codes, width)
+        np.testing.assert_array_equal(pack_codes(codes, width), packed)
+        np.testing.assert_array_equal(unpack_codes(packed, width, n), codes)
