@@ -1,0 +1,102 @@
+"""The benchmark's pure parts: shapes, the interleaved timer, goals and the table.
+
+Nothing here times anything against a goal; ``make bench`` does that.
+"""
+
+import math
+
+import pytest
+
+from experiments import bench
+
+
+def test_resnet50_tree_has_torchvision_parameter_count():
+    shapes = bench.resnet50_shapes()
+    assert sum(math.prod(s) for s in shapes) == 25_557_032  # torchvision resnet50
+    assert len(shapes) == 161
+    assert shapes[0] == (64, 3, 7, 7) and shapes[-2:] == [(1000, 2048), (1000,)]
+
+
+def test_every_benchmarked_spec_builds_its_compressor():
+    names = [type(bench.make_compressor(s)).__name__ for s in bench.ELEMENTWISE]
+    assert names == [
+        "Sign",
+        "ScaledSign",
+        "TernGrad",
+        "QSGD",
+        "QSGD",
+        "Natural",
+        "Cast",
+        "Cast",
+    ]
+
+
+def test_interleaved_calls_every_function_in_rounds():
+    calls = []
+    times = bench.interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1
+    )
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then round by round
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    assert bench.ratios([2.0, 6.0], [1.0, 2.0]) == [2.0, 3.0]
+    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+
+
+def _result(copy, compress, decompress, sampled, exact, step, plain, counts):
+    """A minimal result of one spec, with the given median times (seconds)."""
+    comp = {
+        "median_s": {"copy": copy, "compress": compress, "decompress": decompress},
+        "ratio": (compress + decompress) / copy,
+        "compress_ratio": compress / copy,
+        "decompress_ratio": decompress / copy,
+        "page_faults_per_call": {"copy": 0.0, "compress": 0.0, "decompress": 0.0},
+    }
+    return {
+        "machine": {"cpu": "cpu", "cpu_count": 2, "jax": "x"},
+        "config": {"repeats": 3},
+        "roofline": {"entries": bench.N, "compressors": {"sign()": comp}},
+        "torch": {"error": "torch not importable"},
+        "powersgd": {"jax": {"error": "no"}, "torch": {"error": "no"}},
+        "topk": {
+            "k": 16777,
+            "band": [13422, 21810],
+            "median_s": {"sampled": sampled, "exact": exact},
+            "speedup": exact / sampled,
+            "counts": counts,
+            "fallbacks": [False] * len(counts),
+        },
+        "step": {
+            "workers": 8,
+            "widths": [4, 2],
+            "batch_per_worker": 1,
+            "median_s": {"plain pmean": plain, "sign()": step},
+            "ratio": {"sign()": step / plain},
+        },
+    }
+
+
+@pytest.mark.parametrize("scale", [1.0, 1.1])
+def test_goals_are_met_exactly_up_to_their_bounds(scale):
+    """Each goal at its bound is MET; 10% past it MISSED with the ratio in the table."""
+    res = _result(
+        copy=1.0,
+        compress=1.0 * scale,
+        decompress=1.0 * scale,
+        sampled=1.0 * scale,
+        exact=5.0,
+        step=1.25 * scale,
+        plain=1.0,
+        counts=[13422, 21810] if scale == 1.0 else [13421, 16777],
+    )
+    rows = bench.goal_rows(res)
+    by_group = {}
+    for r in rows:
+        by_group.setdefault(r["group"], []).append(r["met"])
+    assert by_group["roofline"] == [scale == 1.0]
+    assert by_group["top-k"] == [scale == 1.0, scale == 1.0]
+    assert by_group["step"] == [scale == 1.0]
+    assert by_group["pytorch"] == [False, False]  # did not run: never counted as met
+    table = bench.markdown(res, rows)
+    if scale != 1.0:
+        assert "MISSED (2.20x)" in table  # the roofline ratio
+    assert table.count("\n| ") == 1 + len(rows)  # the header and one line per goal
