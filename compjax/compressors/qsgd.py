@@ -47,25 +47,6 @@ def qsgd_omega(d: int, levels: int) -> float:
     return d / (4.0 * levels * levels)
 
 
-#: Below this sum of squares float32 squares may have underflowed; above it they lose
-#: less than ``2**-30`` of it even for ``2**32`` entries (each lost square is below ``2**-126``).
-_SAFE_SQUARES = 2.0**-60
-
-
-def bucket_norms(xb: jax.Array) -> jax.Array:
-    """The Euclidean norm of each row of ``xb``, without overflow or underflow.
-
-    One pass, ``sqrt(sum x^2)``, where every row's sum of squares is finite and
-    at least ``_SAFE_SQUARES`` (no square overflowed, and underflowed ones are
-    negligible); otherwise (huge or tiny entries, a zero row)
-    :func:`compjax.compressor.safe_norm`, which scales by ``max|x|`` first and
-    costs two passes.
-    """
-    squares = jnp.sum(jnp.square(xb), axis=1)
-    fast = jnp.all(jnp.isfinite(squares) & (squares >= _SAFE_SQUARES))
-    return jax.lax.cond(fast, lambda: jnp.sqrt(squares), lambda: safe_norm(xb, axis=1))
-
-
 def _with_sign(value: jax.Array, sign: jax.Array) -> jax.Array:
     """``value`` with its float32 sign bit xor-ed with ``sign`` (``0`` or ``1 << 31``)."""
     bits = jax.lax.bitcast_convert_type(value, jnp.uint32) ^ sign
@@ -97,7 +78,7 @@ class QSGD(Compressor):
         d = flat.shape[0]
         size, count = self._buckets(d)
         xb = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
-        norms = bucket_norms(xb)
+        norms = safe_norm(xb, axis=1)
         ratio = jnp.minimum(jnp.abs(safe_divide(xb, norms[:, None])), 1.0)
         scaled = self.levels * ratio
         low = jnp.floor(scaled)
