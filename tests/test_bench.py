@@ -100,3 +100,30 @@ def test_goals_are_met_exactly_up_to_their_bounds(scale):
     if scale != 1.0:
         assert "MISSED (2.20x)" in table  # the roofline ratio
     assert table.count("\n| ") == 1 + len(rows)  # the header and one line per goal
+
+
+@pytest.mark.slow
+def test_quick_run_writes_every_section(tmp_path):
+    """``python -m experiments.bench --quick``: every section ran (PyTorch only where it
+    is installed), and the table has a line per goal."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "experiments.bench", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "bench.json").read_text())
+    for section in ("roofline", "roofline_tree", "memory", "topk", "step"):
+        assert "error" not in res[section], res[section]
+    assert set(res["roofline"]["compressors"]) == set(bench.ELEMENTWISE)
+    assert set(res["step"]["ratio"]) == set(bench.ELEMENTWISE)
+    assert all(r["ratio"] > 0 for r in res["goals"] if r["group"] != "pytorch")
+    table = (tmp_path / "bench.md").read_text()
+    assert table == bench.markdown(res, res["goals"])  # the table is the JSON's
+    goals_table = table.split("| measurement", 1)[1].split("\n\n", 1)[0]
+    assert goals_table.count("\n| ") == len(res["goals"])
