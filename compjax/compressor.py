@@ -254,10 +254,20 @@ class Compressor:
     # Send values in the input dtype (identity, sparsifiers) instead of float32.
     keeps_dtype: ClassVar[bool] = False
 
+    @property
+    def flat_barrier(self) -> bool:
+        """Whether ``compress`` keeps the flattened input 1-D for XLA (:func:`flatten`).
+
+        Compressors that reshape the flat input into rows themselves (QSGD's
+        buckets) turn it off: behind the barrier a row view of a kernel is a
+        copy of it.
+        """
+        return True
+
     # -- the wire -----------------------------------------------------------
     def compress(self, key, x) -> Payload:
         x = self.check(key, x)
-        flat = flatten(x)
+        flat = flatten(x) if self.flat_barrier else x.reshape(-1)
         if not self.keeps_dtype:
             flat = flat.astype(jnp.float32)
         wire, side = self.encode(key, flat)

@@ -101,6 +101,10 @@ class QSGD(Compressor):
         value = (wire["norms"][:, None] * (level / self.levels)).reshape(-1)[:n]
         return _with_sign(value, sign)
 
+    @property
+    def flat_barrier(self) -> bool:
+        return self.bucket_size is None  # buckets are rows of their own
+
     def omega(self, d):
         size, _ = self._buckets(d)
         return qsgd_omega(min(d, size), self.levels)
