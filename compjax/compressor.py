@@ -36,14 +36,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax import packing
 from compjax.payload import Payload
 
 
@@ -84,47 +82,6 @@ def safe_norm(x: jax.Array, axis=None) -> jax.Array:
 def safe_divide(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a / b`` with 0 wherever ``b == 0``."""
     return jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
-
-
-def pack_codes(codes: jax.Array, width: int) -> jax.Array:
-    """:func:`compjax.packing.pack`, computed through 32-bit words (same bytes).
-
-    For widths below 8, ``32 // width`` codes are or-ed into a uint32 word and
-    the word is split into its four bytes, least significant first, by shifts
-    (independent of the machine's byte order).  XLA on a CPU runs this loop
-    over words several times faster than the byte-by-byte packing.
-    """
-    if width >= 8:
-        return packing.pack(codes, width)
-    per_word = 32 // width
-    n = codes.shape[0]
-    padded = jnp.pad(codes.astype(jnp.uint32), (0, -n % per_word)).reshape(-1, per_word)
-    shifts = jnp.uint32(width) * jnp.arange(per_word, dtype=jnp.uint32)
-    # Disjoint bit ranges: the sum is the bitwise or.
-    words = jnp.sum(padded << shifts, axis=1, dtype=jnp.uint32)
-    octets = (words[:, None] >> (jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32))) & 0xFF
-    return octets.astype(jnp.uint8).reshape(-1)[: packing.packed_bits(n, width) // 8]
-
-
-def unpack_codes(packed: jax.Array, width: int, n: int) -> jax.Array:
-    """:func:`compjax.packing.unpack` through 32-bit words: the first ``n`` codes, uint32.
-
-    Four bytes are read as one little-endian uint32 word (a bitcast, which
-    XLA's CPU code handles far better than byte-wise shifts; byte ``i`` holds
-    the least significant bits on every little-endian platform), then split
-    into its ``32 // width`` codes.
-    """
-    if width >= 8:
-        return packing.unpack(packed, width, n)
-    octets = jnp.pad(packed, (0, -packed.shape[0] % 4)).reshape(-1, 4)
-    if sys.byteorder == "little":
-        words = jax.lax.bitcast_convert_type(octets, jnp.uint32)
-    else:  # pragma: no cover - no big-endian JAX platform
-        o = octets.astype(jnp.uint32)
-        words = o[:, 0] | (o[:, 1] << 8) | (o[:, 2] << 16) | (o[:, 3] << 24)
-    shifts = jnp.uint32(width) * jnp.arange(32 // width, dtype=jnp.uint32)
-    codes = (words[:, None] >> shifts) & jnp.uint32((1 << width) - 1)
-    return codes.reshape(-1)[:n]
 
 
 def flatten(x: jax.Array) -> jax.Array:

@@ -8,6 +8,8 @@ signs (1 bit), ternaries (2 bits) and QSGD's sign-magnitude codes.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 
@@ -36,27 +38,41 @@ def pack(codes: jax.Array, width: int) -> jax.Array:
     """Pack a 1-D array of unsigned codes, each below ``2**width``.
 
     Returns a uint8 array of ``ceil(n * width / 8)`` bytes for widths below 8,
-    else the codes as uint8/uint16/uint32.
+    else the codes as uint8/uint16/uint32.  Computed through 32-bit words:
+    ``32 // width`` codes are or-ed into a uint32 word, which is split into
+    its four bytes, least significant first, by shifts (independent of the
+    machine's byte order); XLA on a CPU runs this several times faster than
+    packing byte by byte.
     """
     if width not in WIDTHS:
         raise ValueError(f"width must be one of {WIDTHS}, got {width}")
     if width >= 8:
         return codes.astype(_WORD[width])
-    per_byte = 8 // width
+    per_word = 32 // width
     n = codes.shape[0]
-    padded = jnp.pad(codes.astype(jnp.uint8), (0, -n % per_byte))
-    groups = padded.reshape(-1, per_byte)
-    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(width)
+    padded = jnp.pad(codes.astype(jnp.uint32), (0, -n % per_word)).reshape(-1, per_word)
+    shifts = jnp.uint32(width) * jnp.arange(per_word, dtype=jnp.uint32)
     # Disjoint bit ranges: the sum is the bitwise or.
-    return jnp.sum(groups << shifts, axis=1, dtype=jnp.uint8)
+    words = jnp.sum(padded << shifts, axis=1, dtype=jnp.uint32)
+    octets = (words[:, None] >> (jnp.uint32(8) * jnp.arange(4, dtype=jnp.uint32))) & 0xFF
+    return octets.astype(jnp.uint8).reshape(-1)[: packed_bits(n, width) // 8]
 
 
 def unpack(packed: jax.Array, width: int, n: int) -> jax.Array:
-    """Inverse of :func:`pack`: the first ``n`` codes, as uint32."""
+    """Inverse of :func:`pack`: the first ``n`` codes, as uint32.
+
+    Four bytes are read as one little-endian uint32 word (a bitcast, which
+    XLA's CPU code handles far better than byte-wise shifts), then split into
+    its ``32 // width`` codes.
+    """
     if width >= 8:
         return packed.astype(jnp.uint32)
-    per_byte = 8 // width
-    shifts = jnp.arange(per_byte, dtype=jnp.uint8) * jnp.uint8(width)
-    mask = jnp.uint8((1 << width) - 1)
-    codes = (packed[:, None] >> shifts) & mask
-    return codes.reshape(-1)[:n].astype(jnp.uint32)
+    octets = jnp.pad(packed, (0, -packed.shape[0] % 4)).reshape(-1, 4)
+    if sys.byteorder == "little":
+        words = jax.lax.bitcast_convert_type(octets, jnp.uint32)
+    else:  # pragma: no cover - no big-endian JAX platform
+        o = octets.astype(jnp.uint32)
+        words = o[:, 0] | (o[:, 1] << 8) | (o[:, 2] << 16) | (o[:, 3] << 24)
+    shifts = jnp.uint32(width) * jnp.arange(32 // width, dtype=jnp.uint32)
+    codes = (words[:, None] >> shifts) & jnp.uint32((1 << width) - 1)
+    return codes.reshape(-1)[:n]

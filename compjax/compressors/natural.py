@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, pack_codes, random_bits, unpack_codes
+from compjax.compressor import Compressor, random_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -39,11 +39,11 @@ class Natural(Compressor):
         rounded = jnp.where(finite, jnp.minimum(exponent + up, _MAX_FINITE_EXPONENT), exponent)
         return {
             "exponents": rounded.astype(jnp.uint8),
-            "signs": pack_codes(word >> 31, 1),
+            "signs": packing.pack(word >> 31, 1),
         }, {}
 
     def decode(self, wire, side, n, dtype):
-        sign = unpack_codes(wire["signs"], 1, n) << 31
+        sign = packing.unpack(wire["signs"], 1, n) << 31
         word = sign | (wire["exponents"].astype(jnp.uint32) << _MANTISSA_BITS)
         return jax.lax.bitcast_convert_type(word, jnp.float32)
 

@@ -18,10 +18,8 @@ from compjax import packing
 from compjax.compressor import (
     Compressor,
     bernoulli,
-    pack_codes,
     safe_divide,
     safe_norm,
-    unpack_codes,
 )
 
 
@@ -86,11 +84,11 @@ class QSGD(Compressor):
         level = jnp.minimum(low + up, self.levels).astype(jnp.uint32)
         sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
         codes = (level | sign).reshape(-1)[:d]
-        return {"norms": norms, "codes": pack_codes(codes, self.width)}, {}
+        return {"norms": norms, "codes": packing.pack(codes, self.width)}, {}
 
     def decode(self, wire, side, n, dtype):
         size, count = self._buckets(n)
-        codes = unpack_codes(wire["codes"], self.width, n)
+        codes = packing.unpack(wire["codes"], self.width, n)
         level = (codes & ((1 << self.magnitude_bits) - 1)).astype(jnp.float32)
         # The sign bit moved to float32's sign: exactly ``where(negative, -value, value)``
         # (negation flips the sign bit), which XLA's CPU loops run several times slower.

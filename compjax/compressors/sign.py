@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, pack_codes, unpack_codes
+from compjax.compressor import Compressor
 
 
 def sign_bits(x):
@@ -56,10 +56,10 @@ class Sign(Compressor):
     deterministic: ClassVar[bool] = True
 
     def encode(self, key, flat):
-        return {"signs": pack_codes(sign_bits(flat), 1)}, {}
+        return {"signs": packing.pack(sign_bits(flat), 1)}, {}
 
     def decode(self, wire, side, n, dtype):
-        return sign_values(unpack_codes(wire["signs"], 1, n))
+        return sign_values(packing.unpack(wire["signs"], 1, n))
 
     def bits(self, shape, dtype=jnp.float32):
         return packing.packed_bits(math.prod(shape), 1)
@@ -73,11 +73,11 @@ class ScaledSign(Compressor):
 
     def encode(self, key, flat):
         if not flat.size:
-            return {"scale": jnp.float32(0.0), "signs": pack_codes(sign_bits(flat), 1)}, {}
-        return {"scale": mean_abs(flat), "signs": pack_codes(sign_bits(flat), 1)}, {}
+            return {"scale": jnp.float32(0.0), "signs": packing.pack(sign_bits(flat), 1)}, {}
+        return {"scale": mean_abs(flat), "signs": packing.pack(sign_bits(flat), 1)}, {}
 
     def decode(self, wire, side, n, dtype):
-        return wire["scale"] * sign_values(unpack_codes(wire["signs"], 1, n))
+        return wire["scale"] * sign_values(packing.unpack(wire["signs"], 1, n))
 
     def delta(self, d):
         return 1.0 / d if d > 0 else 1.0

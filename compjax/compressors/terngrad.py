@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, pack_codes, safe_divide, unpack_codes
+from compjax.compressor import Compressor, bernoulli, safe_divide
 
 # Ternary codes, 2 bits each, 4 per byte.
 ZERO, PLUS, MINUS = 0, 1, 2
@@ -71,10 +71,10 @@ class TernGrad(Compressor):
             flat = clip_to_std(flat, self.clip)
         scale = jnp.max(jnp.abs(flat), initial=0.0)
         codes = ternarize(key, flat, scale)
-        return {"scale": scale, "codes": pack_codes(codes, 2)}, {}
+        return {"scale": scale, "codes": packing.pack(codes, 2)}, {}
 
     def decode(self, wire, side, n, dtype):
-        return wire["scale"] * ternary_values(unpack_codes(wire["codes"], 2, n))
+        return wire["scale"] * ternary_values(packing.unpack(wire["codes"], 2, n))
 
     def omega(self, d):
         return terngrad_omega(d) if self.unbiased else None
