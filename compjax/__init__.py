@@ -5,9 +5,9 @@ Compressors are immutable values built by the factories below; each has
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 """
 
-from compjax import collectives
+from compjax import collectives, exchange
 from compjax.accounting import CommunicationReport, communication
-from compjax.collectives import compressed_mean, worker_params
+from compjax.collectives import worker_params
 from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.combinators import blockwise, chain, scaled
@@ -18,6 +18,7 @@ from compjax.compressors.sign import scaled_sign, sign
 from compjax.compressors.sparse import rand_k, top_k
 from compjax.compressors.terngrad import terngrad, terngrad_omega
 from compjax.dad import dad_communication, dad_grads, rank_dad_grads
+from compjax.exchange import Exchange, compressed_mean, hierarchical
 from compjax.payload import Payload, wire_bits
 from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
@@ -47,6 +48,7 @@ __all__ = [
     "DianaState",
     "EF21State",
     "ErrorFeedbackState",
+    "Exchange",
     "Payload",
     "PowerSGDState",
     "SignVoteState",
@@ -68,6 +70,8 @@ __all__ = [
     "diana",
     "ef21",
     "error_feedback",
+    "exchange",
+    "hierarchical",
     "identity",
     "natural",
     "per_example_grads",

@@ -17,7 +17,10 @@ import jax
 import numpy as np
 import optax
 
-from compjax.collectives import AxisName, recording
+from compjax.collectives import AxisName, _names, recording
+
+#: Kinds of the messages a hierarchical exchange sends over its fast axis.
+FAST_PREFIX = "fast_"
 
 
 class CommunicationReport(NamedTuple):
@@ -37,12 +40,22 @@ class CommunicationReport(NamedTuple):
     def compression_ratio(self) -> float:
         return self.dense_bits / self.bits_per_worker if self.bits_per_worker else float("inf")
 
+    @property
+    def fast_bits(self) -> int:
+        """Bits sent over the fast axis of a hierarchical exchange (uncompressed)."""
+        return sum(b for kind, b in self.messages if kind.startswith(FAST_PREFIX))
+
+    @property
+    def slow_bits(self) -> int:
+        """Bits sent over the other axes (everything but :attr:`fast_bits`)."""
+        return self.bits_per_worker - self.fast_bits
+
 
 def communication(
     tx: optax.GradientTransformation,
     params: Any,
     axis_name: AxisName = "data",
-    num_workers: int = 2,
+    num_workers: int | tuple[int, ...] = 2,
 ) -> CommunicationReport:
     """The bits one worker sends per step when ``tx`` updates ``params``-shaped gradients.
 
@@ -50,9 +63,11 @@ def communication(
       tx: any optax transformation containing compjax transformations
         (chains, wrappers); transformations that send nothing count zero.
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
-      axis_name: the axis name ``tx``'s compjax parts reduce over (a single
-        name; ``None`` for transformations built with ``axis_name=None``).
-      num_workers: workers to simulate (only integer sums depend on it).
+      axis_name: the axis name (or tuple of names) ``tx``'s compjax parts
+        reduce over; ``None`` for transformations built with ``axis_name=None``.
+      num_workers: workers to simulate along each axis (an int for all of
+        them, or one per name).  Integer sums and the shards of
+        scatter-gather and hierarchical exchanges depend on it.
 
     Returns:
       A :class:`CommunicationReport`.
@@ -62,14 +77,15 @@ def communication(
     def step(p):
         return tx.update(p, tx.init(p), p)
 
+    names = _names(axis_name)
+    sizes = tuple(num_workers) if isinstance(num_workers, tuple) else (num_workers,) * len(names)
+    if len(sizes) != len(names):
+        raise ValueError(f"num_workers {num_workers!r} must give one size per axis of {names}")
+    batched = jax.tree.map(lambda s: jax.ShapeDtypeStruct((*sizes, *s.shape), s.dtype), shapes)
+    for name in reversed(names):
+        step = jax.vmap(step, axis_name=name)
     with recording() as log:
-        if axis_name is None:
-            jax.eval_shape(step, shapes)
-        else:
-            batched = jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct((num_workers, *s.shape), s.dtype), shapes
-            )
-            jax.eval_shape(jax.vmap(step, axis_name=axis_name), batched)
+        jax.eval_shape(step, batched)
     messages, seen = [], set()
     for owner, sent in log:
         if owner is not None and owner in seen:

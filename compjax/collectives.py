@@ -10,10 +10,8 @@ How a compressed mean travels:
 
 * per-worker randomness is ``jax.random.fold_in(key, worker_index)`` of a key
   all workers share;
-* ``linear`` compressors (identity, cast, random-k with a shared seed) use the
-  shared key itself, ``psum`` the payload and decode once;
-* every other compressor ``all_gather``-s the payloads, decodes each worker's
-  one worker after another (:func:`decoded_sum`) and averages;
+* how a compressed mean travels (all-gather, scatter-gather, hierarchical) is
+  :mod:`compjax.exchange`, built on the primitives here;
 * integer reductions where a method allows: the sign majority vote and
   TernGrad with a shared scaler sum small integers with ``psum``.
 
@@ -30,15 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor
-from compjax.payload import Payload, wire_bits
+from compjax.payload import wire_bits
 
 AxisName = str | tuple[str, ...] | None
 
@@ -200,6 +196,27 @@ def all_gather(tree, axis_name: AxisName):
     return jax.tree.map(gather, tree)
 
 
+def all_gather_tiled(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Every worker's ``x`` concatenated along axis 0 (replicated result), in worker order."""
+    return all_gather(x, axis_name).reshape((-1, *x.shape[1:]))
+
+
+def all_to_all(tree, axis_name: AxisName):
+    """Transpose the leading worker axis: row ``j`` of every worker goes to worker ``j``.
+
+    Each leaf has a leading axis of size ``num_workers(axis_name)``; on return
+    row ``i`` of worker ``j``'s leaf is row ``j`` of worker ``i``'s.
+    """
+    names = _bound_names(axis_name)
+    return jax.tree.map(lambda x: jax.lax.all_to_all(x, names, 0, 0, tiled=True), tree)
+
+
+def psum_scatter(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Sum over workers of ``x``, split along axis 0: worker ``j`` gets block ``j`` of the sum."""
+    names = _bound_names(axis_name)
+    return jax.lax.psum_scatter(x, names, scatter_dimension=0, tiled=True)
+
+
 def psum(tree, axis_name: AxisName):
     names = _bound_names(axis_name)
     return jax.tree.map(lambda x: jax.lax.psum(x, names), tree)
@@ -208,74 +225,6 @@ def psum(tree, axis_name: AxisName):
 def pmax(tree, axis_name: AxisName):
     names = _bound_names(axis_name)
     return jax.tree.map(lambda x: jax.lax.pmax(x, names), tree)
-
-
-@dataclasses.dataclass(frozen=True)
-class Exchanged:
-    """Result of a compressed exchange.
-
-    Attributes:
-      mean: the decoded mean over workers (identical on every worker).
-      local: this worker's own decoded message ``C(x)`` (what error feedback
-        subtracts).
-    """
-
-    mean: jax.Array
-    local: jax.Array
-
-
-def compressed_mean(comp: Compressor, key, x: jax.Array, axis_name: AxisName) -> Exchanged:
-    """The mean over workers of ``comp`` applied to each worker's ``x``.
-
-    Args:
-      comp: the compressor.
-      key: a PRNG key shared by all workers; each worker folds in its index
-        unless ``comp.linear`` (shared randomness is what lets payloads sum).
-      x: this worker's array.
-      axis_name: the workers' axis (see the module docstring).
-
-    Returns:
-      :class:`Exchanged` with the mean and this worker's decoded message.
-    """
-    n = num_workers(axis_name)
-    if axis_name is None or n == 1:
-        payload = comp.compress(key, x)
-        record("payload", payload)
-        local = comp.decompress(payload)
-        return Exchanged(mean=local, local=local)
-    if comp.linear:
-        payload = comp.compress(key, x)
-        record("payload", payload)
-        summed = dataclasses.replace(payload, wire=psum(dict(payload.wire), axis_name))
-        total = comp.decompress(summed)
-        return Exchanged(mean=(total / n).astype(x.dtype), local=comp.decompress(payload))
-    payload = comp.compress(worker_key(key, axis_name), x)
-    record("payload", payload)
-    total = decoded_sum(comp, all_gather(payload, axis_name), n)
-    return Exchanged(mean=(total / n).astype(x.dtype), local=comp.decompress(payload))
-
-
-#: Workers' messages decoded per iteration of the summing loop.
-UNROLL_WORKERS = 8
-
-
-def decoded_sum(comp: Compressor, gathered: Payload, n: int) -> jax.Array:
-    """``sum_i comp.decompress(gathered[i])`` over the ``n`` gathered payloads, in float32.
-
-    The messages are decoded and added one worker at a time, so one decoded
-    message is in memory rather than ``n``, and the sum is a chain of
-    elementwise adds.  (Decoding all of them with ``vmap`` and reducing over
-    the workers' axis gives XLA's CPU backend a reduction over a leading axis,
-    which it hands to a YNNPACK fusion running about 20 times slower than
-    the adds: see ``make bench``.)
-    """
-
-    def add(i, total):
-        one = jax.tree.map(lambda a: a[i], gathered)
-        return total + comp.decompress(one).astype(jnp.float32)
-
-    first = comp.decompress(jax.tree.map(lambda a: a[0], gathered)).astype(jnp.float32)
-    return jax.lax.fori_loop(1, n, add, first, unroll=UNROLL_WORKERS)
 
 
 def _vote_dtype(n: int):

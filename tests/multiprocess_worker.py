@@ -40,7 +40,7 @@ INIT_TIMEOUT_S = 60
 
 
 def transforms() -> dict[str, optax.GradientTransformation]:
-    """The transformations under test, covering the all_gather and psum paths."""
+    """The transformations under test: the all_gather, psum and scatter-gather paths."""
     return {
         "compress_qsgd": compjax.compress(compjax.qsgd(levels=4), AXIS),
         "compress_rand_k_shared": compjax.compress(
@@ -48,6 +48,12 @@ def transforms() -> dict[str, optax.GradientTransformation]:
         ),
         "error_feedback_top_k": compjax.error_feedback(compjax.top_k(ratio=0.3), AXIS),
         "diana_qsgd": compjax.diana(compjax.qsgd(levels=4), AXIS),
+        "compress_qsgd_scatter_gather": compjax.compress(
+            compjax.qsgd(levels=4), AXIS, exchange="scatter_gather"
+        ),
+        "error_feedback_top_k_scatter_gather": compjax.error_feedback(
+            compjax.top_k(ratio=0.3), AXIS, exchange="scatter_gather"
+        ),
         "ef21_top_k": compjax.ef21(compjax.top_k(ratio=0.3), AXIS),
         "sign_vote": compjax.sign_majority_vote(AXIS),
         "signum_psum": compjax.sign_majority_vote(AXIS, momentum=0.9, via="psum"),

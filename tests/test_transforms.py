@@ -37,6 +37,19 @@ TRANSFORMS = {
     "terngrad_allreduce(own scalers)": lambda ax: compjax.terngrad_allreduce(
         ax, share_scaler=False
     ),
+    # The compressed all-reduce (compjax.exchange): shards, all_to_all, all_gather.
+    "compress(qsgd, scatter_gather)": lambda ax: compjax.compress(
+        compjax.qsgd(4), ax, exchange="scatter_gather"
+    ),
+    "error_feedback(top_k, scatter_gather)": lambda ax: compjax.error_feedback(
+        compjax.top_k(ratio=0.3), ax, exchange="scatter_gather"
+    ),
+    "ef21(top_k, scatter_gather)": lambda ax: compjax.ef21(
+        compjax.top_k(ratio=0.3), ax, exchange="scatter_gather"
+    ),
+    "diana(qsgd, scatter_gather)": lambda ax: compjax.diana(
+        compjax.qsgd(2), ax, exchange="scatter_gather"
+    ),
 }
 
 
@@ -96,7 +109,13 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 # pmap runs the same collectives as shard_map: a few transformations in the
 # fast suite, all of them with -m slow.
-PMAP_FAST = {"compress(qsgd)", "diana(qsgd)", "sign_majority_vote(psum)", "terngrad_allreduce"}
+PMAP_FAST = {
+    "compress(qsgd)",
+    "diana(qsgd)",
+    "sign_majority_vote(psum)",
+    "terngrad_allreduce",
+    "error_feedback(top_k, scatter_gather)",
+}
 
 
 def _tolerance(name):

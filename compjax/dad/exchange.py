@@ -16,7 +16,6 @@ import numpy as np
 from compjax.collectives import (
     AxisName,
     all_gather,
-    compressed_mean,
     num_workers,
     pmax,
     psum,
@@ -24,6 +23,7 @@ from compjax.collectives import (
 )
 from compjax.compressor import Compressor
 from compjax.dad.capture import Captured, Layer, LossFn, capture, discover, group_layers
+from compjax.exchange import compressed_mean
 
 _F32 = jnp.float32
 

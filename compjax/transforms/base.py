@@ -32,6 +32,7 @@ from jax.flatten_util import ravel_pytree
 
 from compjax.collectives import any_worker, exchange_round
 from compjax.compressor import raw_key
+from compjax.exchange import keeps_memory
 
 
 def counted(update_fn: Callable) -> Callable:
@@ -170,3 +171,28 @@ def guarded(bad: jax.Array, out: list[jax.Array], new_state: Any, old_state: Any
     """NaN updates and the old state where ``bad``; else the new ones."""
     out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
     return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)
+
+
+class ServerMemory:
+    """The shard owners' error memories of a scatter-gather exchange (see :mod:`compjax.exchange`).
+
+    Kept, per worker and with each leaf's shape, only where
+    :func:`compjax.exchange.keeps_memory` says so (a biased compressor over a
+    scatter-gather exchange); otherwise the state field is an empty tuple.
+    """
+
+    def __init__(self, comp, exchange):
+        self.kept = keeps_memory(comp, exchange)
+
+    def init(self, leaves: Leaves) -> Any:
+        return leaves.worker_state(lambda a: jnp.zeros(a.shape, jnp.float32)) if self.kept else ()
+
+    def read(self, leaves: Leaves, field: Any) -> list[jax.Array | None]:
+        if not self.kept:
+            return [None] * len(leaves.arrays)
+        return leaves.read(field, "server_error", per_worker=True)
+
+    def write(self, leaves: Leaves, arrays: Sequence[jax.Array | None]) -> Any:
+        if not self.kept:
+            return ()
+        return leaves.write([a.astype(jnp.float32) for a in arrays], per_worker=True)

@@ -11,24 +11,46 @@ References:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import optax
 
-from compjax.collectives import AxisName, compressed_mean
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
+from compjax.exchange import Exchange, compressed_mean
+from compjax.transforms.base import (
+    Leaves,
+    ServerMemory,
+    any_non_finite,
+    counted,
+    guarded,
+    init_key,
+    step_keys,
+)
 
 
 class CompressState(NamedTuple):
-    """State of :func:`compress`: the shared PRNG key (raw uint32)."""
+    """State of :func:`compress`.
+
+    Attributes:
+      key: the shared PRNG key (raw uint32).
+      server_error: the shard owners' error memories (scatter-gather with a
+        biased compressor; otherwise an empty tuple).
+    """
 
     key: jax.Array
+    server_error: Any = ()
+    PER_WORKER = ("server_error",)
 
 
 def compress(
-    comp: Compressor, axis_name: AxisName, *, flatten: bool = False, seed: int = 0
+    comp: Compressor,
+    axis_name: AxisName,
+    *,
+    flatten: bool = False,
+    seed: int = 0,
+    exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
     """The compressed mean of the workers' updates.
 
@@ -37,6 +59,10 @@ def compress(
       axis_name: the data-parallel axis (name, tuple of names, or ``None``).
       flatten: compress the whole tree as one vector instead of leaf by leaf.
       seed: seed of the shared key in the state.
+      exchange: how messages travel: ``"all_gather"`` (default),
+        ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
+        then keeps the shard owners' error memory in ``server_error``) or
+        :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
 
     Returns:
       An ``optax.GradientTransformation`` whose update is
@@ -47,18 +73,23 @@ def compress(
       >>> opt = optax.chain(compjax.compress(compjax.qsgd(4), "data"), optax.sgd(0.1))
     """
 
+    server = ServerMemory(comp, exchange)
+
     def init_fn(params):
-        return CompressState(key=init_key(seed))
+        return CompressState(key=init_key(seed), server_error=server.init(Leaves(params, flatten)))
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
         bad = any_non_finite(leaves.arrays, axis_name)
+        memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))
-        out = [
-            compressed_mean(comp, k, g, axis_name).mean
-            for k, g in zip(keys, leaves.arrays, strict=True)
+        sent = [
+            compressed_mean(comp, k, g, axis_name, exchange, m)
+            for k, g, m in zip(keys, leaves.arrays, memories, strict=True)
         ]
-        out, new_state = guarded(bad, out, CompressState(key), state)
+        out = [s.mean for s in sent]
+        new_state = CompressState(key, server.write(leaves, [s.memory for s in sent]))
+        out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state
 
     return optax.GradientTransformation(init_fn, counted(update_fn))

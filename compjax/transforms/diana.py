@@ -12,9 +12,18 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from compjax.collectives import AxisName, compressed_mean
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
+from compjax.exchange import Exchange, compressed_mean
+from compjax.transforms.base import (
+    Leaves,
+    ServerMemory,
+    any_non_finite,
+    counted,
+    guarded,
+    init_key,
+    step_keys,
+)
 
 
 class DianaState(NamedTuple):
@@ -24,12 +33,15 @@ class DianaState(NamedTuple):
       key: shared PRNG key (raw uint32).
       local_shift: per-worker shifts ``h_i``.
       shift: the shared shift ``h = mean_i h_i``.
+      server_error: the shard owners' memories (scatter-gather with a biased
+        compressor; otherwise an empty tuple).
     """
 
     key: jax.Array
     local_shift: Any
     shift: Any
-    PER_WORKER = ("local_shift",)
+    server_error: Any = ()
+    PER_WORKER = ("local_shift", "server_error")
 
 
 def diana(
@@ -39,6 +51,7 @@ def diana(
     *,
     flatten: bool = False,
     seed: int = 0,
+    exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
     """DIANA: ``m_i = C(g_i - h_i)``, update ``h + mean_i m_i``, ``h_i <- h_i + alpha m_i``.
 
@@ -56,6 +69,10 @@ def diana(
         ``optax.inject_hyperparams``.
       flatten: compress the whole tree as one vector.
       seed: seed of the shared key.
+      exchange: how messages travel: ``"all_gather"`` (default),
+        ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
+        then keeps the shard owners' error memory in ``server_error``) or
+        :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
 
     Raises:
       ValueError: ``alpha`` not in ``(0, 1]``, or ``alpha=None`` with a
@@ -76,10 +93,15 @@ def diana(
     def step_size(d: int):
         return 1.0 / (comp.omega(d) + 1.0) if alpha is None else alpha
 
+    server = ServerMemory(comp, exchange)
+
     def init_fn(params):
         leaves = Leaves(params, flatten)
         return DianaState(
-            key=init_key(seed), local_shift=leaves.worker_state(), shift=leaves.shared_state()
+            key=init_key(seed),
+            local_shift=leaves.worker_state(),
+            shift=leaves.shared_state(),
+            server_error=server.init(leaves),
         )
 
     def update_fn(updates, state, params=None):
@@ -87,11 +109,13 @@ def diana(
         bad = any_non_finite(leaves.arrays, axis_name)
         local = leaves.read(state.local_shift, "local_shift", per_worker=True)
         shift = leaves.read(state.shift, "shift", per_worker=False)
+        memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))
-        out, new_local, new_shift = [], [], []
-        for k, g, hi, h in zip(keys, leaves.arrays, local, shift, strict=True):
+        out, new_local, new_shift, new_memories = [], [], [], []
+        for k, g, hi, h, mem in zip(keys, leaves.arrays, local, shift, memories, strict=True):
             a = step_size(g.size)
-            m = compressed_mean(comp, k, g - hi, axis_name)
+            m = compressed_mean(comp, k, g - hi, axis_name, exchange, mem)
+            new_memories.append(m.memory)
             out.append(h + m.mean)
             new_local.append((hi + a * m.local).astype(hi.dtype))
             new_shift.append((h + a * m.mean).astype(h.dtype))
@@ -99,6 +123,7 @@ def diana(
             key=key,
             local_shift=leaves.write(new_local, per_worker=True),
             shift=leaves.write(new_shift, per_worker=False),
+            server_error=server.write(leaves, new_memories),
         )
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state

@@ -12,9 +12,18 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from compjax.collectives import AxisName, compressed_mean
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
+from compjax.exchange import Exchange, compressed_mean
+from compjax.transforms.base import (
+    Leaves,
+    ServerMemory,
+    any_non_finite,
+    counted,
+    guarded,
+    init_key,
+    step_keys,
+)
 
 
 class EF21State(NamedTuple):
@@ -24,16 +33,24 @@ class EF21State(NamedTuple):
       key: shared PRNG key (raw uint32).
       local: per-worker estimates ``g_i`` of the local gradients.
       estimate: the shared estimate ``g = mean_i g_i`` (the update).
+      server_error: the shard owners' memories (scatter-gather with a biased
+        compressor; otherwise an empty tuple).
     """
 
     key: jax.Array
     local: Any
     estimate: Any
-    PER_WORKER = ("local",)
+    server_error: Any = ()
+    PER_WORKER = ("local", "server_error")
 
 
 def ef21(
-    comp: Compressor, axis_name: AxisName, *, flatten: bool = False, seed: int = 0
+    comp: Compressor,
+    axis_name: AxisName,
+    *,
+    flatten: bool = False,
+    seed: int = 0,
+    exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
     """EF21: ``c_i = C(grad_i - g_i)``, ``g_i <- g_i + c_i``, ``g <- g + mean_i c_i``.
 
@@ -47,16 +64,25 @@ def ef21(
       axis_name: the data-parallel axis.
       flatten: compress the whole tree as one vector.
       seed: seed of the shared key.
+      exchange: how messages travel: ``"all_gather"`` (default),
+        ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
+        then keeps the shard owners' error memory in ``server_error``) or
+        :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
 
     References:
       Richtarik et al., "EF21: A New, Simpler, Theoretically Better, and
       Practically Faster Error Feedback", NeurIPS 2021.
     """
 
+    server = ServerMemory(comp, exchange)
+
     def init_fn(params):
         leaves = Leaves(params, flatten)
         return EF21State(
-            key=init_key(seed), local=leaves.worker_state(), estimate=leaves.shared_state()
+            key=init_key(seed),
+            local=leaves.worker_state(),
+            estimate=leaves.shared_state(),
+            server_error=server.init(leaves),
         )
 
     def update_fn(updates, state, params=None):
@@ -64,16 +90,20 @@ def ef21(
         bad = any_non_finite(leaves.arrays, axis_name)
         local = leaves.read(state.local, "local", per_worker=True)
         estimate = leaves.read(state.estimate, "estimate", per_worker=False)
+        memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))
-        new_local, new_estimate = [], []
-        for k, g, gi, gs in zip(keys, leaves.arrays, local, estimate, strict=True):
-            c = compressed_mean(comp, k, g - gi, axis_name)
+        new_local, new_estimate, new_memories = [], [], []
+        rows = zip(keys, leaves.arrays, local, estimate, memories, strict=True)
+        for k, g, gi, gs, m in rows:
+            c = compressed_mean(comp, k, g - gi, axis_name, exchange, m)
             new_local.append(gi + c.local)
             new_estimate.append(gs + c.mean)
+            new_memories.append(c.memory)
         new_state = EF21State(
             key=key,
             local=leaves.write(new_local, per_worker=True),
             estimate=leaves.write(new_estimate, per_worker=False),
+            server_error=server.write(leaves, new_memories),
         )
         new_estimate, new_state = guarded(bad, new_estimate, new_state, state)
         return leaves.rebuild(new_estimate), new_state

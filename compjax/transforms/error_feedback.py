@@ -13,9 +13,18 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from compjax.collectives import AxisName, compressed_mean
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
+from compjax.exchange import Exchange, compressed_mean
+from compjax.transforms.base import (
+    Leaves,
+    ServerMemory,
+    any_non_finite,
+    counted,
+    guarded,
+    init_key,
+    step_keys,
+)
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -24,15 +33,23 @@ class ErrorFeedbackState(NamedTuple):
     Attributes:
       key: shared PRNG key (raw uint32).
       error: per-worker memory ``e_i`` (leading worker axis of size 1 per worker).
+      server_error: the shard owners' memories (scatter-gather with a biased
+        compressor; otherwise an empty tuple).
     """
 
     key: jax.Array
     error: Any
-    PER_WORKER = ("error",)
+    server_error: Any = ()
+    PER_WORKER = ("error", "server_error")
 
 
 def error_feedback(
-    comp: Compressor, axis_name: AxisName, *, flatten: bool = False, seed: int = 0
+    comp: Compressor,
+    axis_name: AxisName,
+    *,
+    flatten: bool = False,
+    seed: int = 0,
+    exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
     """EF-SGD: ``p_i = g_i + e_i``, send ``C(p_i)``, keep ``e_i <- p_i - C(p_i)``.
 
@@ -48,27 +65,42 @@ def error_feedback(
       axis_name: the data-parallel axis.
       flatten: compress the whole tree as one vector.
       seed: seed of the shared key.
+      exchange: how messages travel: ``"all_gather"`` (default),
+        ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
+        then keeps the shard owners' error memory in ``server_error``) or
+        :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
 
     References:
       Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
       Compression Schemes", ICML 2019.
     """
 
+    server = ServerMemory(comp, exchange)
+
     def init_fn(params):
-        return ErrorFeedbackState(key=init_key(seed), error=Leaves(params, flatten).worker_state())
+        leaves = Leaves(params, flatten)
+        return ErrorFeedbackState(
+            key=init_key(seed), error=leaves.worker_state(), server_error=server.init(leaves)
+        )
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
         bad = any_non_finite(leaves.arrays, axis_name)
         errors = leaves.read(state.error, "error", per_worker=True)
+        memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))
-        out, new_errors = [], []
-        for k, g, e in zip(keys, leaves.arrays, errors, strict=True):
+        out, new_errors, new_memories = [], [], []
+        for k, g, e, m in zip(keys, leaves.arrays, errors, memories, strict=True):
             p = g + e
-            sent = compressed_mean(comp, k, p, axis_name)
+            sent = compressed_mean(comp, k, p, axis_name, exchange, m)
             out.append(sent.mean)
             new_errors.append(p - sent.local)
-        new_state = ErrorFeedbackState(key=key, error=leaves.write(new_errors, per_worker=True))
+            new_memories.append(sent.memory)
+        new_state = ErrorFeedbackState(
+            key=key,
+            error=leaves.write(new_errors, per_worker=True),
+            server_error=server.write(leaves, new_memories),
+        )
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state
 

@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, compressed_mean, shared_max, ternary_mean, worker_key
+from compjax.collectives import AxisName, shared_max, ternary_mean, worker_key
 from compjax.compressors.terngrad import clip_to_std, ternarize, ternary_values, terngrad
+from compjax.exchange import compressed_mean
 from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
 
 

@@ -1,0 +1,344 @@
+"""How a compressed mean travels: all-gather, scatter-gather, and hierarchical exchanges.
+
+Three ways for the workers' compressed messages to meet (every transformation
+takes one as ``exchange=``; the default is ``"all_gather"``):
+
+* ``"all_gather"``: each worker compresses its whole array, the payloads are
+  all-gathered and every worker decodes and adds all ``n`` of them.  Each
+  worker receives ``(n - 1) M_c`` bits: traffic grows with ``n``.
+  ``linear`` compressors (identity, cast, random-k with a shared seed) ``psum``
+  their payloads instead and decode once, whatever the exchange.
+* ``"scatter_gather"``: a compressed all-reduce.  The flat array is split into
+  ``n`` shards; each worker compresses every shard and ``all_to_all`` sends
+  shard ``j`` to worker ``j`` (*scatter*), which decodes and sums it
+  (*reduce*), compresses the sum again and all-gathers it (*gather*).  Each
+  worker sends and receives about ``2 (n - 1) / n M_c`` bits, like a ring
+  all-reduce of the compressed size.
+* :func:`hierarchical`: on a mesh with a fast axis and a slow one, the array
+  is reduce-scattered over the fast axis uncompressed, the shard is exchanged
+  compressed over the slow axes (by either exchange above), and the result is
+  all-gathered over the fast axis.  Only the slow link carries compressed
+  messages.
+
+The second compression of ``"scatter_gather"``.  Worker ``j`` holds
+``S_j = sum_i C_1(x_i^j)`` and sends ``C_2(S_j + m_j)``:
+
+* for an **unbiased** compressor ``m_j = 0`` and the mean stays unbiased.  Its
+  exact variance, for independent first-stage draws, is
+
+      E||mean - x_bar||^2 = (1/n^2) [ sum_i V_1(x_i) + E V_2(S) ],
+
+  with ``V(y) = E||C(y) - y||^2`` the compressor's own variance on ``y``
+  (summed over shards).  With ``V(y) <= omega ||y||^2`` this is at most
+  ``(1/n^2) [ (1 + omega_2) omega_1 sum_i ||x_i||^2 + omega_2 ||sum_i x_i||^2 ]``,
+  with equality for compressors whose variance is exactly ``omega ||y||^2``
+  (random-k): :func:`two_stage_variance` and ``proofs_checks/two_stage.py``.
+* for a **biased** compressor the shard's owner keeps an error memory ``m_j``
+  (DoubleSqueeze, Tang et al. 2019): ``m_j <- S_j + m_j - C_2(S_j + m_j)``, so
+  nothing is lost: what is applied plus the memories equals what was sent.
+
+``Exchanged.local`` is this worker's part of the exchange, defined so that
+``sum_i local_i + sum_j m_j(before) = n mean + sum_j m_j(after)`` holds
+exactly: the decoded own message, plus (unbiased scatter-gather, no memory)
+the second-stage residual ``C_2(S_j) - S_j`` of the shard it owns, and
+(hierarchical) minus the residual of its fast group's shard.  Error
+feedback, EF21 and DIANA use it unchanged, and their invariants (``sum of
+sent + memories = inputs``; ``h = mean_i h_i``) hold on every exchange.
+
+Server memories are per-worker arrays of the leaf's shape; worker ``j``
+uses the entries of the shard it owns and keeps zeros elsewhere (so the
+state's shape does not depend on ``n``).
+
+Bits are logged per message kind: ``"payload"`` (all-gather), ``"scatter"``
+(all of a worker's shard payloads, of which ``(n - 1)/n`` leave it),
+``"gather"`` (its re-compressed shard), and on a hierarchical exchange
+``"fast_reduce_scatter"`` and ``"fast_all_gather"`` on the fast axis.
+
+References:
+  Tang, Yu, Lian, Zhang, Liu, "DoubleSqueeze: Parallel Stochastic Gradient
+  Descent with Double-Pass Error-Compensated Compression", ICML 2019.
+  Patarasuk, Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", JPDC 2009 (reduce-scatter + all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from compjax import collectives
+from compjax.collectives import AxisName, num_workers, record, worker_index, worker_key
+from compjax.compressor import Compressor
+from compjax.payload import Payload
+
+KINDS = ("all_gather", "scatter_gather")
+
+#: Workers' messages decoded per iteration of the summing loop.
+UNROLL_WORKERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchange:
+    """How messages travel (see the module docstring).
+
+    Attributes:
+      kind: ``"all_gather"`` or ``"scatter_gather"`` (over the slow axes when
+        ``fast_axis`` is set).
+      fast_axis: for a hierarchical exchange, the axis (or axes) over which
+        the array is reduce-scattered and all-gathered uncompressed; ``None``
+        for a flat exchange.
+    """
+
+    kind: str = "all_gather"
+    fast_axis: AxisName = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"exchange kind must be one of {KINDS}, got {self.kind!r}")
+        names = collectives._names(self.fast_axis)
+        if self.fast_axis is not None and (not names or not all(isinstance(a, str) for a in names)):
+            raise ValueError(
+                f"fast_axis must be an axis name or a tuple of names, got {self.fast_axis!r}"
+            )
+
+
+def hierarchical(fast_axis: AxisName, exchange: str = "scatter_gather") -> Exchange:
+    """A two-level exchange: uncompressed over ``fast_axis``, compressed over the other axes.
+
+    The transformation's ``axis_name`` names every data-parallel axis (e.g.
+    ``("hosts", "local")``); ``fast_axis`` is the fast one (``"local"``).
+
+    Args:
+      fast_axis: the fast axis or axes (chips in a host; ICI).
+      exchange: how the shard travels over the slow axes, ``"all_gather"``
+        or ``"scatter_gather"``.
+
+    Returns:
+      An :class:`Exchange` for the ``exchange=`` argument of any compjax
+      transformation.
+    """
+    return Exchange(kind=exchange, fast_axis=fast_axis)
+
+
+def as_exchange(exchange: str | Exchange) -> Exchange:
+    """An :class:`Exchange` from a kind's name or an :class:`Exchange`.
+
+    Raises:
+      ValueError: anything else (the message names ``exchange``).
+    """
+    if isinstance(exchange, Exchange):
+        return exchange
+    if isinstance(exchange, str) and exchange in KINDS:
+        return Exchange(kind=exchange)
+    raise ValueError(
+        f"exchange must be one of {KINDS} or compjax.hierarchical(...), got {exchange!r}"
+    )
+
+
+def keeps_memory(comp: Compressor, exchange: str | Exchange) -> bool:
+    """Whether the shard owners keep an error memory (biased compressor, scatter-gather)."""
+    exchange = as_exchange(exchange)
+    return exchange.kind == "scatter_gather" and not comp.unbiased and not comp.linear
+
+
+@dataclasses.dataclass(frozen=True)
+class Exchanged:
+    """Result of a compressed exchange.
+
+    Attributes:
+      mean: the decoded mean over workers (identical on every worker).
+      local: this worker's part of it (its decoded message ``C(x)`` on an
+        all-gather; see the module docstring for the others).
+      memory: the new server memory (``None`` when none is kept).
+    """
+
+    mean: jax.Array
+    local: jax.Array
+    memory: jax.Array | None = None
+
+
+def compressed_mean(
+    comp: Compressor,
+    key,
+    x: jax.Array,
+    axis_name: AxisName,
+    exchange: str | Exchange = "all_gather",
+    memory: jax.Array | None = None,
+) -> Exchanged:
+    """The mean over workers of ``comp`` applied to each worker's ``x``.
+
+    Args:
+      comp: the compressor.
+      key: a PRNG key shared by all workers; each worker folds in its index
+        unless ``comp.linear`` (shared randomness is what lets payloads sum).
+      x: this worker's array.
+      axis_name: every data-parallel axis (a name or a tuple of names).
+      exchange: ``"all_gather"``, ``"scatter_gather"`` or :func:`hierarchical`.
+      memory: the shard owners' error memory (``x``'s shape), required
+        exactly when :func:`keeps_memory`.
+
+    Returns:
+      :class:`Exchanged` with the mean, this worker's part and the new memory.
+    """
+    exchange = as_exchange(exchange)
+    if (memory is not None) != keeps_memory(comp, exchange):
+        raise ValueError(
+            f"memory: {comp!r} over {exchange} "
+            + ("keeps a server memory; pass it" if memory is None else "keeps no memory")
+        )
+    names = collectives._names(axis_name)
+    fast = collectives._names(exchange.fast_axis)
+    if not set(fast) <= set(names):
+        raise ValueError(
+            f"fast_axis {exchange.fast_axis!r} must be one of the axes in axis_name {axis_name!r}"
+        )
+    n = num_workers(axis_name)
+    if n == 1:
+        payload = comp.compress(key, x)
+        record("payload", payload)
+        local = comp.decompress(payload)
+        return Exchanged(mean=local, local=local, memory=memory)
+    if fast:
+        slow = tuple(a for a in names if a not in fast)
+        total, local, memory = _hierarchical(comp, key, x, memory, slow, fast, exchange.kind)
+    elif comp.linear or exchange.kind == "all_gather":
+        total, local = _gathered(comp, key, x, names, n)
+    else:
+        flat_memory = None if memory is None else memory.reshape(-1)
+        total, local, memory = _scatter_gather(comp, key, x.reshape(-1), flat_memory, names, n)
+    as_x = lambda a: None if a is None else a.reshape(x.shape).astype(x.dtype)  # noqa: E731
+    return Exchanged(mean=as_x(total / n), local=as_x(local), memory=as_x(memory))
+
+
+def decoded_sum(comp: Compressor, gathered: Payload, n: int) -> jax.Array:
+    """``sum_i comp.decompress(gathered[i])`` over the ``n`` gathered payloads, in float32.
+
+    The messages are decoded and added one worker at a time, so one decoded
+    message is in memory rather than ``n``, and the sum is a chain of
+    elementwise adds.  (Decoding all of them with ``vmap`` and reducing over
+    the workers' axis gives XLA's CPU backend a reduction over a leading axis,
+    which it hands to a YNNPACK fusion running about 20 times slower than
+    the adds: see ``make bench``.)
+    """
+
+    def add(i, total):
+        one = jax.tree.map(lambda a: a[i], gathered)
+        return total + comp.decompress(one).astype(jnp.float32)
+
+    first = comp.decompress(jax.tree.map(lambda a: a[0], gathered)).astype(jnp.float32)
+    return jax.lax.fori_loop(1, n, add, first, unroll=UNROLL_WORKERS)
+
+
+def _gathered(comp, key, x, names, n):
+    """All-gather (or, for a linear compressor, psum): ``(sum over workers, own decoded)``."""
+    if comp.linear:
+        payload = comp.compress(key, x)
+        record("payload", payload)
+        summed = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
+        return comp.decompress(summed).astype(jnp.float32), comp.decompress(payload)
+    payload = comp.compress(worker_key(key, names), x)
+    record("payload", payload)
+    total = decoded_sum(comp, collectives.all_gather(payload, names), n)
+    return total, comp.decompress(payload)
+
+
+def _pad(flat: jax.Array, size: int) -> jax.Array:
+    return jnp.pad(flat, (0, size - flat.shape[0]))
+
+
+def _place(block: jax.Array, index, blocks: int, d: int) -> jax.Array:
+    """A length-``d`` vector: zeros, with ``block`` as block ``index`` of ``blocks`` (unpadded)."""
+    m = block.shape[0]
+    full = jnp.zeros((blocks * m,), block.dtype)
+    return jax.lax.dynamic_update_slice(full, block, (index * m,))[:d]
+
+
+def _block(flat: jax.Array, index, blocks: int) -> jax.Array:
+    """Block ``index`` of ``flat`` padded to ``blocks`` equal blocks."""
+    m = math.ceil(flat.shape[0] / blocks)
+    return jax.lax.dynamic_slice(_pad(flat, blocks * m), (index * m,), (m,))
+
+
+def _scatter_gather(comp, key, flat, memory, names, n):
+    """Compressed all-reduce of a flat array: ``(sum over workers, local, new memory)``.
+
+    See the module docstring: shards compressed and all-to-all-ed, decoded
+    and summed by their owner, compressed again (with the owner's memory for
+    a biased compressor) and all-gathered.
+    """
+    d = flat.shape[0]
+    if d == 0:
+        return jnp.zeros((0,), jnp.float32), flat, memory
+    m = math.ceil(d / n)
+    me = worker_index(names)
+    first_key, second_key = jax.random.split(key)
+    shard_keys = jax.random.split(jax.random.fold_in(first_key, me), n)
+    payloads = jax.vmap(comp.compress)(shard_keys, _pad(flat, n * m).reshape(n, m))
+    record("scatter", payloads)
+    own = jax.vmap(comp.decompress)(payloads).astype(jnp.float32).reshape(-1)[:d]
+    mine = decoded_sum(comp, collectives.all_to_all(payloads, names), n)
+    target = mine if memory is None else mine + _block(memory, me, n).astype(jnp.float32)
+    second = comp.compress(jax.random.fold_in(second_key, me), target.astype(flat.dtype))
+    record("gather", second)
+    sent = comp.decompress(second).astype(jnp.float32)
+    gathered = collectives.all_gather(second, names)
+    total = jax.vmap(comp.decompress)(gathered).astype(jnp.float32).reshape(-1)[:d]
+    if memory is not None:
+        return total, own, _place(target - sent, me, n, d)
+    return total, own + _place(sent - mine, me, n, d), None
+
+
+def _hierarchical(comp, key, x, memory, slow, fast, kind):
+    """Reduce-scatter over ``fast``, compressed exchange over ``slow``, all-gather over ``fast``."""
+    flat = x.reshape(-1)
+    d = flat.shape[0]
+    n_fast = num_workers(fast)
+    m = math.ceil(d / n_fast)
+    padded = _pad(flat, n_fast * m)
+    record("fast_reduce_scatter", padded)
+    group = collectives.psum_scatter(padded, fast)  # this worker's shard, summed over ``fast``
+    k = worker_index(fast)
+    inner_key = jax.random.fold_in(key, k)  # distinct per shard; shared along ``slow``
+    inner_memory = None if memory is None else _block(memory.reshape(-1), k, n_fast)
+    if slow:
+        n_slow = num_workers(slow)
+        inner = compressed_mean(comp, inner_key, group, slow, Exchange(kind), inner_memory)
+        shard_total = inner.mean.astype(jnp.float32) * n_slow
+        shard_local, inner_memory = inner.local, inner.memory
+    else:
+        shard_total, shard_local = group.astype(jnp.float32), group
+    record("fast_all_gather", shard_total.astype(x.dtype))
+    total = collectives.all_gather_tiled(shard_total, fast)[:d]
+    local = flat.astype(jnp.float32) - _place(
+        group.astype(jnp.float32) - shard_local.astype(jnp.float32), k, n_fast, d
+    )
+    new_memory = None if inner_memory is None else _place(inner_memory, k, n_fast, d)
+    return total, local, new_memory
+
+
+def two_stage_variance(first: list[float], second: float, n: int) -> float:
+    """Exact variance of the scatter-gather mean, from the stages' own variances.
+
+    Args:
+      first: ``V_1(x_i) = E||C_1(x_i) - x_i||^2`` for each worker ``i``
+        (summed over its shards).
+      second: ``E V_2(S)``, the expected second-stage variance on the summed
+        shards ``S`` (summed over shards).
+      n: number of workers.
+
+    Returns:
+      ``E||mean - x_bar||^2 = (sum_i V_1(x_i) + E V_2(S)) / n^2``.
+    """
+    return (sum(first) + second) / n**2
+
+
+def two_stage_bound(sq_norms: list[float], sq_norm_sum: float, omega1: float, omega2: float):
+    """The bound ``((1 + omega_2) omega_1 sum_i ||x_i||^2 + omega_2 ||sum_i x_i||^2) / n^2``.
+
+    Exact when each stage's variance is exactly ``omega ||y||^2`` (random-k).
+    """
+    n = len(sq_norms)
+    return ((1 + omega2) * omega1 * sum(sq_norms) + omega2 * sq_norm_sum) / n**2

@@ -1,0 +1,308 @@
+"""The exchanges of compjax.exchange: scatter-gather and hierarchical.
+
+Lossless compressors give the exact mean; biased ones lose nothing (what is
+applied plus every memory equals what was sent); unbiased ones stay
+unbiased; nested vmap and shard_map on a (hosts, local) mesh agree; bits are
+counted per axis.  The exact two-stage variance is checked against the
+library's code in ``proofs_checks/two_stage.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from scipy import stats
+
+import compjax
+from compjax.exchange import compressed_mean, keeps_memory
+
+P = jax.P
+N = 4
+D = 37  # not a multiple of the number of shards
+AXES = ("hosts", "local")
+MESH_SHAPE = (2, 4)
+TOP_K = compjax.top_k(ratio=0.3)
+QSGD = compjax.qsgd(levels=2)
+
+EXCHANGES = {
+    "scatter_gather": (("data",), "scatter_gather"),
+    "hierarchical(scatter_gather)": (AXES, compjax.hierarchical("local", "scatter_gather")),
+    "hierarchical(all_gather)": (AXES, compjax.hierarchical("local", "all_gather")),
+}
+
+
+def axis_arg(axes):
+    return axes[0] if len(axes) == 1 else axes
+
+
+def shape_for(axes, *tail):
+    return ((N,) if len(axes) == 1 else MESH_SHAPE) + tail
+
+
+def normal(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape).astype(dtype)
+
+
+def nested_vmap(fn, axes):
+    for name in reversed(axes):
+        fn = jax.vmap(fn, axis_name=name)
+    return fn
+
+
+def vmapped(tx, axes):
+    """``(init, update)`` with one leading worker axis per name (nested vmap)."""
+    init = tx.init
+    for _ in axes:
+        init = jax.vmap(init)
+    return jax.jit(init), jax.jit(nested_vmap(tx.update, axes))
+
+
+def worker_total(x, axes):
+    """Sum over the leading worker axes."""
+    return jnp.sum(x, axis=tuple(range(len(axes))))
+
+
+def field_total(field, axes):
+    """Sum over workers of a per-worker state field (empty tuple: none kept)."""
+    if isinstance(field, tuple):
+        return 0.0
+    return worker_total(field, axes)[0]
+
+
+@pytest.mark.parametrize("comp", [compjax.identity(), compjax.rand_k(ratio=0.5, shared_seed=True)])
+@pytest.mark.parametrize("name", list(EXCHANGES))
+def test_lossless_or_linear_compressor_gives_the_pooled_mean(comp, name):
+    """identity: exactly the mean; a linear compressor: the same as over all_gather."""
+    axes, exchange = EXCHANGES[name]
+    x = normal(0, shape_for(axes, D))
+    init, update = vmapped(compjax.compress(comp, axis_arg(axes), exchange=exchange), axes)
+    out, _ = update(x, init(x))
+    flat = out.reshape(-1, D)
+    assert jnp.all(flat == flat[0])
+    if isinstance(comp, type(compjax.identity())):
+        np.testing.assert_allclose(flat[0], x.reshape(-1, D).mean(0), atol=1e-6)
+    else:
+        assert jnp.all(jnp.isfinite(flat))
+
+
+@pytest.mark.parametrize("comp", [TOP_K, compjax.scaled_sign(), QSGD], ids=str)
+@pytest.mark.parametrize("name", list(EXCHANGES))
+def test_exchange_accounts_for_every_entry(comp, name):
+    """``sum_i local_i + sum m(before) = n mean + sum m(after)``, exactly (float32)."""
+    axes, exchange = EXCHANGES[name]
+    x = normal(1, shape_for(axes, D))
+    n = x.size // D
+
+    def one(xi, mi):
+        got = compressed_mean(comp, jax.random.key(3), xi, axis_arg(axes), exchange, mi)
+        return got.mean, got.local, got.memory
+
+    exchanged = jax.jit(nested_vmap(one, axes))
+    # A memory as the exchange leaves it (each owner's entries), from a first round.
+    memory = (
+        exchanged(normal(2, x.shape), jnp.zeros_like(x))[2]
+        if keeps_memory(comp, exchange)
+        else None
+    )
+    mean, local, new_memory = exchanged(x, memory)
+    left = worker_total(local, axes) + (0 if memory is None else worker_total(memory, axes))
+    right = n * mean.reshape(-1, D)[0] + (
+        0 if new_memory is None else worker_total(new_memory, axes)
+    )
+    np.testing.assert_allclose(left, right, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", list(EXCHANGES))
+def test_error_feedback_loses_nothing(name, dtype):
+    """Over steps: n * (sum of updates) + worker memories + server memories = sum of inputs."""
+    axes, exchange = EXCHANGES[name]
+    tx = compjax.error_feedback(TOP_K, axis_arg(axes), exchange=exchange)
+    init, update = vmapped(tx, axes)
+    x0 = normal(10, shape_for(axes, D), dtype)
+    state = init(x0)
+    n = x0.size // D
+    applied = inputs = jnp.zeros(D, jnp.float32)
+    for step in range(4):
+        x = normal(10 + step, x0.shape, dtype)
+        out, state = update(x, state)
+        applied += n * out.reshape(-1, D)[0].astype(jnp.float32)
+        inputs += worker_total(x.astype(jnp.float32), axes)
+    kept = field_total(state.error, axes) + field_total(state.server_error, axes)
+    assert not isinstance(state.server_error, tuple) or "all_gather" in name
+    tol = 1e-4 if dtype == jnp.float32 else 0.1  # bf16 error memories round (kept in bf16)
+    np.testing.assert_allclose(applied + kept, inputs, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["scatter_gather", "hierarchical(scatter_gather)"])
+def test_two_stage_mean_of_unbiased_compressor_is_unbiased(name):
+    """QSGD over both stages: the mean of 4000 draws is the pooled mean (chi-square, p = 1e-6)."""
+    axes, exchange = EXCHANGES[name]
+    x = normal(20, shape_for(axes, D))
+
+    def draw(key):
+        def one(xi):
+            return compressed_mean(QSGD, key, xi, axis_arg(axes), exchange).mean
+
+        return nested_vmap(one, axes)(x).reshape(-1, D)[0]
+
+    keys = jax.random.split(jax.random.key(21), 4000)
+    draws = np.asarray(jax.jit(jax.vmap(draw))(keys), np.float64)
+    target = np.asarray(x, np.float64).reshape(-1, D).mean(0)
+    var = draws.var(0, ddof=1)
+    z = (draws.mean(0) - target) / np.sqrt(var / len(draws))
+    assert float(np.sum(z**2)) < stats.chi2.isf(1e-6, D)
+
+
+def test_diana_shift_stays_the_mean_of_the_local_shifts():
+    """The second-stage residual is attributed to the shard owner: h = mean_i h_i exactly."""
+    tx = compjax.diana(QSGD, "data", exchange="scatter_gather")
+    init, update = vmapped(tx, ("data",))
+    state = init(normal(30, (N, D)))
+    for step in range(3):
+        _, state = update(normal(30 + step, (N, D)), state)
+    np.testing.assert_allclose(state.shift[0], state.local_shift.mean(0)[0], atol=1e-5)
+
+
+def _shard_map_run(tx, xs, mesh, axes):
+    params = jnp.zeros(D)
+    specs = compjax.state_specs(jax.eval_shape(tx.init, params), axes)
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    update = jax.jit(
+        jax.shard_map(tx.update, mesh=mesh, in_specs=(P(axes), specs), out_specs=(P(), specs))
+    )
+    state, outs = init(params), []
+    for x in xs:
+        out, state = update(jax.device_put(x.reshape(-1), NamedSharding(mesh, P(axes))), state)
+        outs.append(out)
+    return outs, state
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ex: compjax.error_feedback(TOP_K, AXES, exchange=ex),
+        lambda ex: compjax.diana(QSGD, AXES, exchange=ex),
+    ],
+    ids=["error_feedback(top_k)", "diana(qsgd)"],
+)
+def test_shard_map_on_a_hosts_local_mesh_agrees_with_nested_vmap(build):
+    tx = build(compjax.hierarchical("local", "scatter_gather"))
+    xs = [normal(40 + t, (*MESH_SHAPE, D)) for t in range(3)]
+    init, update = vmapped(tx, AXES)
+    state = init(xs[0])
+    simulated = []
+    for x in xs:
+        out, state = update(x, state)
+        simulated.append(out[0, 0])
+    mesh = jax.make_mesh(MESH_SHAPE, AXES)
+    outs, mesh_state = _shard_map_run(tx, [x.reshape(-1, D) for x in xs], mesh, AXES)
+    for a, b in zip(outs, simulated, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(mesh_state), jax.tree.leaves(state), strict=True):
+        a, b = np.asarray(a).reshape(-1), np.asarray(b).reshape(8, -1)
+        # per-worker fields hold every worker's part; replicated ones one copy
+        np.testing.assert_allclose(a, b.reshape(-1) if a.size == b.size else b[0], atol=1e-6)
+
+
+def test_hierarchical_lossless_step_equals_pooled_sgd():
+    """A shard_map training step on a (hosts, local) mesh: SGD on the pooled mean gradient."""
+    mesh = jax.make_mesh(MESH_SHAPE, AXES)
+    w0 = {"w": normal(50, (6, 3)), "b": jnp.zeros(3)}
+    xb, yb = normal(51, (32, 6)), normal(52, (32, 3))
+    opt = optax.chain(
+        compjax.compress(compjax.identity(), AXES, exchange=compjax.hierarchical("local")),
+        optax.sgd(0.1),
+    )
+
+    def loss(w, x, y):
+        return jnp.mean((x @ w["w"] + w["b"] - y) ** 2)
+
+    specs = compjax.state_specs(jax.eval_shape(opt.init, w0), AXES)
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P(AXES), P(AXES)), out_specs=(P(), specs))
+    def step(w, s, x, y):
+        g = jax.grad(loss)(compjax.worker_params(w, AXES), x, y)
+        u, s = opt.update(g, s, w)
+        return optax.apply_updates(w, u), s
+
+    state = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))(w0)
+    shard = NamedSharding(mesh, P(AXES))
+    w, ref = w0, w0
+    for _ in range(3):
+        w, state = step(w, state, jax.device_put(xb, shard), jax.device_put(yb, shard))
+        g = jax.grad(loss)(ref, xb, yb)
+        ref = jax.tree.map(lambda p, gi: p - 0.1 * gi, ref, g)
+    for a, b in zip(jax.tree.leaves(w), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_bits_are_counted_per_axis():
+    """Fast axis: the padded array reduce-scattered, the shard all-gathered (float32);
+    slow axis: the shard's compressed scatter and gather."""
+    tx = compjax.compress(QSGD, AXES, exchange=compjax.hierarchical("local", "scatter_gather"))
+    report = compjax.communication(tx, jnp.zeros(D), AXES, MESH_SHAPE)
+    fast_shard = -(-D // 4)  # 10 entries per local worker, 40 padded
+    slow_shard = -(-fast_shard // 2)  # 5 entries per host
+    kinds = dict(report.messages)
+    assert kinds["fast_reduce_scatter"] == 32 * 4 * fast_shard
+    assert kinds["fast_all_gather"] == 32 * fast_shard
+    assert report.fast_bits == 32 * 5 * fast_shard
+    assert kinds["scatter"] == 2 * QSGD.bits((slow_shard,))
+    assert kinds["gather"] == QSGD.bits((slow_shard,))
+    assert report.slow_bits == kinds["scatter"] + kinds["gather"] + kinds["flag"]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_scatter_gather_sends_one_message_in_shards_and_one_shard(n):
+    d = 1000
+    report = compjax.communication(
+        compjax.compress(QSGD, "data", exchange="scatter_gather"), jnp.zeros(d), "data", n
+    )
+    kinds = dict(report.messages)
+    assert kinds["scatter"] == n * QSGD.bits((d // n,))
+    assert kinds["gather"] == QSGD.bits((d // n,))
+
+
+@pytest.mark.parametrize("name", list(EXCHANGES))
+@pytest.mark.parametrize("comp", [TOP_K, QSGD], ids=str)
+def test_zero_gradients_give_zeros(comp, name):
+    axes, exchange = EXCHANGES[name]
+    init, update = vmapped(compjax.error_feedback(comp, axis_arg(axes), exchange=exchange), axes)
+    x = jnp.zeros(shape_for(axes, D))
+    out, state = update(x, init(x))
+    assert jnp.all(out == 0)
+    assert all(jnp.all(leaf == 0) for leaf in jax.tree.leaves((state.error, state.server_error)))
+
+
+def test_non_finite_gradient_keeps_the_server_memory():
+    init, update = vmapped(compjax.compress(TOP_K, "data", exchange="scatter_gather"), ("data",))
+    state = init(jnp.zeros((N, D)))
+    _, state = update(normal(60, (N, D)), state)
+    bad = normal(61, (N, D)).at[2, 5].set(jnp.nan)
+    out, after = update(bad, state)
+    assert jnp.all(jnp.isnan(out))
+    np.testing.assert_array_equal(after.server_error, state.server_error)
+
+
+def test_server_memory_is_per_worker_state():
+    tx = compjax.error_feedback(TOP_K, "data", exchange="scatter_gather")
+    specs = compjax.state_specs(jax.eval_shape(tx.init, jnp.zeros(D)), "data")
+    assert specs.server_error == P("data")
+    plain = compjax.error_feedback(TOP_K, "data").init(jnp.zeros(D))
+    assert plain.server_error == ()
+
+
+def test_bad_exchange_is_rejected_naming_the_argument():
+    with pytest.raises(ValueError, match="exchange"):
+        compjax.compress(QSGD, "data", exchange="ring")
+    with pytest.raises(ValueError, match="fast_axis"):
+        compjax.hierarchical(3)
+    tx = compjax.compress(QSGD, "data", exchange=compjax.hierarchical("model"))
+    with pytest.raises(ValueError, match="fast_axis"):
+        jax.vmap(tx.update, axis_name="data")(
+            jnp.zeros((N, D)), jax.vmap(tx.init)(jnp.zeros((N, D)))
+        )
