@@ -29,6 +29,7 @@ MODULES = (
     "natural",
     "atomo",
     "contraction",
+    "two_stage",
     "error_feedback",
     "diana",
     "dad",

@@ -18,6 +18,7 @@ import compjax
 import compjax.collectives
 import compjax.compressors.qsgd
 import compjax.compressors.terngrad
+import compjax.exchange
 from proofs_checks import FAIL, MODULES, PASS, SKIPPED, run_all
 from proofs_checks.__main__ import main, report_markdown, table_text
 
@@ -87,6 +88,15 @@ def test_workers_sharing_randomness_is_caught(broken):
     broken.setattr(compjax.collectives, "worker_key", lambda key, axis_name: key)
     results, _ = run_all(fast=True, modules=("contraction",))
     assert by_claim(results, "averaging n independent workers")[0].verdict == FAIL
+
+
+def test_a_reduce_phase_that_drops_a_worker_is_caught(broken):
+    """The shard owner sums n - 1 of the n decoded first-stage messages."""
+    original = compjax.exchange.decoded_sum
+    broken.setattr(compjax.exchange, "decoded_sum", lambda comp, g, n: original(comp, g, n - 1))
+    results, _ = run_all(fast=True, modules=("two_stage",))
+    assert by_claim(results, "scatter-gather mean of an unbiased")[0].verdict == FAIL
+    assert by_claim(results, "scatter-gather variance is exactly")[0].verdict == FAIL
 
 
 def test_cli_exit_status(tmp_path, capsys):
