@@ -33,6 +33,7 @@ from jax.flatten_util import ravel_pytree
 from compjax.collectives import any_worker, exchange_round
 from compjax.compressor import raw_key
 from compjax.exchange import keeps_memory
+from compjax.transforms.buckets import Buckets
 
 
 def counted(update_fn: Callable) -> Callable:
@@ -91,36 +92,52 @@ def state_specs(state: Any, axis_name) -> Any:
 
 
 class Leaves:
-    """The arrays a transformation works on: each leaf, or the whole tree flattened.
+    """The arrays a transformation works on: each leaf, the whole tree, or buckets of it.
 
     Args:
       tree: the updates (or params) pytree.
       flatten: treat the tree as one vector (one compressor call, one scale)
         instead of compressing layer by layer.
+      bucket_size: split the flattened tree into consecutive buckets of this
+        many entries (the last one shorter), as PyTorch DDP buckets
+        gradients: one compressor call, one scale and one collective per
+        bucket, so a step sends a few large messages instead of one per leaf.
     """
 
-    def __init__(self, tree: Any, flatten: bool):
+    def __init__(self, tree: Any, flatten: bool, bucket_size: int | None = None):
         self.flatten = flatten
-        if flatten:
+        self.bucketed = bucket_size is not None
+        if self.bucketed:
+            self._buckets = Buckets(tree, bucket_size)
+            self.arrays = self._buckets.cut(tree)
+        elif flatten:
             flat, self._unravel = ravel_pytree(tree)
             self.arrays = [flat]
         else:
             self.arrays, self._treedef = jax.tree.flatten(tree)
 
+    def _pack(self, arrays: Sequence[jax.Array]) -> Any:
+        """A state field from one array per entry of :attr:`arrays`."""
+        if self.bucketed:
+            return tuple(arrays)
+        if self.flatten:
+            return arrays[0]
+        return jax.tree.unflatten(self._treedef, list(arrays))
+
     def rebuild(self, arrays: Sequence[jax.Array]) -> Any:
         """Inverse: a list of arrays like :attr:`arrays` back into the tree."""
+        if self.bucketed:
+            return self._buckets.rebuild(arrays)
         if self.flatten:
             return self._unravel(arrays[0])
         return jax.tree.unflatten(self._treedef, list(arrays))
 
     def worker_state(self, fill: Callable[[jax.Array], jax.Array] = jnp.zeros_like) -> Any:
         """Per-worker state: ``fill(leaf)`` with a leading axis of size 1."""
-        arrays = [fill(a)[None] for a in self.arrays]
-        return arrays[0] if self.flatten else jax.tree.unflatten(self._treedef, arrays)
+        return self._pack([fill(a)[None] for a in self.arrays])
 
     def shared_state(self, fill: Callable[[jax.Array], jax.Array] = jnp.zeros_like) -> Any:
-        arrays = [fill(a) for a in self.arrays]
-        return arrays[0] if self.flatten else jax.tree.unflatten(self._treedef, arrays)
+        return self._pack([fill(a) for a in self.arrays])
 
     def read(self, state_tree: Any, name: str, per_worker: bool) -> list[jax.Array]:
         """The arrays of a state field, checked against the updates' structure.
@@ -128,7 +145,14 @@ class Leaves:
         Raises:
           ValueError: the state was built for another params structure.
         """
-        if self.flatten:
+        if self.bucketed:
+            arrays = list(state_tree) if isinstance(state_tree, tuple | list) else [state_tree]
+            if len(arrays) != len(self.arrays):
+                raise ValueError(
+                    f"state field {name!r} has {len(arrays)} buckets where the updates have "
+                    f"{len(self.arrays)}: was the optimizer state initialised for other params?"
+                )
+        elif self.flatten:
             arrays = [state_tree]
         else:
             arrays, treedef = jax.tree.flatten(state_tree)
@@ -148,8 +172,21 @@ class Leaves:
         return [a[0] for a in arrays] if per_worker else arrays
 
     def write(self, arrays: Sequence[jax.Array], per_worker: bool) -> Any:
-        arrays = [a[None] for a in arrays] if per_worker else list(arrays)
-        return arrays[0] if self.flatten else jax.tree.unflatten(self._treedef, arrays)
+        return self._pack([a[None] for a in arrays] if per_worker else list(arrays))
+
+
+def check_grouping(flatten: bool, bucket_size: int | None) -> None:
+    """Construction-time check of ``flatten`` and ``bucket_size``.
+
+    Raises:
+      ValueError: ``bucket_size`` not a positive integer, or given with ``flatten``.
+    """
+    if bucket_size is None:
+        return
+    if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+        raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
+    if flatten:
+        raise ValueError("bucket_size: give either flatten=True or bucket_size, not both")
 
 
 def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:

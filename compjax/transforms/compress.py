@@ -23,6 +23,7 @@ from compjax.transforms.base import (
     Leaves,
     ServerMemory,
     any_non_finite,
+    check_grouping,
     counted,
     guarded,
     init_key,
@@ -49,6 +50,7 @@ def compress(
     axis_name: AxisName,
     *,
     flatten: bool = False,
+    bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
@@ -58,6 +60,9 @@ def compress(
       comp: the compressor applied to each worker's update.
       axis_name: the data-parallel axis (name, tuple of names, or ``None``).
       flatten: compress the whole tree as one vector instead of leaf by leaf.
+      bucket_size: compress the flattened tree in buckets of this many
+        entries (one message and one scale per bucket) instead of leaf by
+        leaf; ``None``: per leaf.
       seed: seed of the shared key in the state.
       exchange: how messages travel: ``"all_gather"`` (default),
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
@@ -75,11 +80,15 @@ def compress(
 
     server = ServerMemory(comp, exchange)
 
+    check_grouping(flatten, bucket_size)
+
     def init_fn(params):
-        return CompressState(key=init_key(seed), server_error=server.init(Leaves(params, flatten)))
+        return CompressState(
+            key=init_key(seed), server_error=server.init(Leaves(params, flatten, bucket_size))
+        )
 
     def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
+        leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
         memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))

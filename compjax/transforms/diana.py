@@ -19,6 +19,7 @@ from compjax.transforms.base import (
     Leaves,
     ServerMemory,
     any_non_finite,
+    check_grouping,
     counted,
     guarded,
     init_key,
@@ -50,6 +51,7 @@ def diana(
     alpha: float | jax.Array | None = None,
     *,
     flatten: bool = False,
+    bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
@@ -68,6 +70,9 @@ def diana(
         ``d`` entries (the theory's largest).  May be a schedule value under
         ``optax.inject_hyperparams``.
       flatten: compress the whole tree as one vector.
+      bucket_size: compress the flattened tree in buckets of this many
+        entries (one message and one scale per bucket) instead of leaf by
+        leaf; ``None``: per leaf.
       seed: seed of the shared key.
       exchange: how messages travel: ``"all_gather"`` (default),
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
@@ -95,8 +100,10 @@ def diana(
 
     server = ServerMemory(comp, exchange)
 
+    check_grouping(flatten, bucket_size)
+
     def init_fn(params):
-        leaves = Leaves(params, flatten)
+        leaves = Leaves(params, flatten, bucket_size)
         return DianaState(
             key=init_key(seed),
             local_shift=leaves.worker_state(),
@@ -105,7 +112,7 @@ def diana(
         )
 
     def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
+        leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
         local = leaves.read(state.local_shift, "local_shift", per_worker=True)
         shift = leaves.read(state.shift, "shift", per_worker=False)

@@ -19,6 +19,7 @@ from compjax.transforms.base import (
     Leaves,
     ServerMemory,
     any_non_finite,
+    check_grouping,
     counted,
     guarded,
     init_key,
@@ -49,6 +50,7 @@ def ef21(
     axis_name: AxisName,
     *,
     flatten: bool = False,
+    bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
@@ -63,6 +65,9 @@ def ef21(
       comp: the compressor (contractive ones are what the theory covers).
       axis_name: the data-parallel axis.
       flatten: compress the whole tree as one vector.
+      bucket_size: compress the flattened tree in buckets of this many
+        entries (one message and one scale per bucket) instead of leaf by
+        leaf; ``None``: per leaf.
       seed: seed of the shared key.
       exchange: how messages travel: ``"all_gather"`` (default),
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
@@ -76,8 +81,10 @@ def ef21(
 
     server = ServerMemory(comp, exchange)
 
+    check_grouping(flatten, bucket_size)
+
     def init_fn(params):
-        leaves = Leaves(params, flatten)
+        leaves = Leaves(params, flatten, bucket_size)
         return EF21State(
             key=init_key(seed),
             local=leaves.worker_state(),
@@ -86,7 +93,7 @@ def ef21(
         )
 
     def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
+        leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
         local = leaves.read(state.local, "local", per_worker=True)
         estimate = leaves.read(state.estimate, "estimate", per_worker=False)

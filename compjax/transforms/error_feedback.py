@@ -20,6 +20,7 @@ from compjax.transforms.base import (
     Leaves,
     ServerMemory,
     any_non_finite,
+    check_grouping,
     counted,
     guarded,
     init_key,
@@ -48,6 +49,7 @@ def error_feedback(
     axis_name: AxisName,
     *,
     flatten: bool = False,
+    bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
 ) -> optax.GradientTransformation:
@@ -64,6 +66,9 @@ def error_feedback(
       comp: the compressor (any).
       axis_name: the data-parallel axis.
       flatten: compress the whole tree as one vector.
+      bucket_size: compress the flattened tree in buckets of this many
+        entries (one message and one scale per bucket) instead of leaf by
+        leaf; ``None``: per leaf.
       seed: seed of the shared key.
       exchange: how messages travel: ``"all_gather"`` (default),
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
@@ -77,14 +82,16 @@ def error_feedback(
 
     server = ServerMemory(comp, exchange)
 
+    check_grouping(flatten, bucket_size)
+
     def init_fn(params):
-        leaves = Leaves(params, flatten)
+        leaves = Leaves(params, flatten, bucket_size)
         return ErrorFeedbackState(
             key=init_key(seed), error=leaves.worker_state(), server_error=server.init(leaves)
         )
 
     def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
+        leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
         errors = leaves.read(state.error, "error", per_worker=True)
         memories = server.read(leaves, state.server_error)

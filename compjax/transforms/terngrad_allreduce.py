@@ -17,7 +17,15 @@ import optax
 from compjax.collectives import AxisName, shared_max, ternary_mean, worker_key
 from compjax.compressors.terngrad import clip_to_std, ternarize, ternary_values, terngrad
 from compjax.exchange import compressed_mean
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded, init_key, step_keys
+from compjax.transforms.base import (
+    Leaves,
+    any_non_finite,
+    check_grouping,
+    counted,
+    guarded,
+    init_key,
+    step_keys,
+)
 
 
 class TernGradState(NamedTuple):
@@ -32,6 +40,7 @@ def terngrad_allreduce(
     *,
     share_scaler: bool = True,
     flatten: bool = False,
+    bucket_size: int | None = None,
     seed: int = 0,
 ) -> optax.GradientTransformation:
     """TernGrad as trained in the paper, for each layer (leaf):
@@ -52,6 +61,9 @@ def terngrad_allreduce(
       clip: clipping factor ``c`` (2.5 in the paper) or ``None``.
       share_scaler: share the maximum scaler across workers.
       flatten: one scaler for the whole tree instead of one per layer.
+      bucket_size: compress the flattened tree in buckets of this many
+        entries (one message and one scale per bucket) instead of leaf by
+        leaf; ``None``: per leaf.
       seed: seed of the shared key.
 
     References:
@@ -59,6 +71,8 @@ def terngrad_allreduce(
       Distributed Deep Learning", NeurIPS 2017.
     """
     own_scaler = terngrad(clip=clip)
+
+    check_grouping(flatten, bucket_size)
 
     def init_fn(params):
         return TernGradState(key=init_key(seed))
@@ -75,7 +89,7 @@ def terngrad_allreduce(
         return mean.astype(g.dtype).reshape(g.shape)
 
     def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
+        leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
         key, keys = step_keys(state.key, len(leaves.arrays))
         out = [mean_of(k, g) for k, g in zip(keys, leaves.arrays, strict=True)]
