@@ -8,13 +8,15 @@ reported as the median over the rounds after warm-up calls:
   ``decompress`` (two jitted calls; the payload is materialised as it would be
   on the wire) on a ``2**24``-entry float32 gradient and on a ResNet-50-like
   tree (161 leaves, 25.6M parameters), against a jitted ``x * 2`` of the same
-  arrays (one read and one write of each);
+  arrays (one read and one write of each); and on the same tree cut into
+  ``2**22``-entry buckets (``bucket_size=``: cut, compress; decode, rebuild);
 * **PyTorch**: the same compressors written plainly in PyTorch
   (:mod:`experiments.bench_torch`) on the same arrays and CPU, and
   ``compjax.powersgd`` against PyTorch's DDP ``powerSGD_hook`` on the same
   matrices (two workers each);
-* **top-k**: DGC's sampled threshold (:func:`compjax.transforms.dgc.sampled_threshold_select`)
-  against the exact ``jax.lax.top_k`` at ratio 0.001 of ``2**24`` entries;
+* **top-k**: DGC's sampled threshold
+  (:func:`compjax.transforms.dgc_select.sampled_threshold_select`) against
+  the exact ``jax.lax.top_k`` at ratio 0.001 of ``2**24`` entries;
 * **training step**: a data-parallel MLP step over 8 simulated devices
   (``shard_map``) with ``compjax.compress(comp)`` against the same step with
   a plain ``pmean``;
@@ -58,10 +60,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import compjax
-from compjax.transforms import dgc as dgc_lib
+from compjax.transforms import dgc_select
+from compjax.transforms.buckets import Buckets
 from experiments import methods
 
 N = 2**24
+#: Bucket size of the bucketed ResNet-50 roofline (25.6M entries: 7 buckets).
+BUCKET_LOG2 = 22
 #: The elementwise compressors the roofline goal covers (compjax spec strings).
 ELEMENTWISE = (
     "sign()",
@@ -159,19 +164,33 @@ def random_tree(shapes, seed: int = 0) -> list[jax.Array]:
 
 
 # -- roofline ------------------------------------------------------------------------------------
-def bench_roofline(shapes, specs, repeats: int) -> dict:
-    """compress + decompress of every leaf (one jitted call each) against ``x * 2``."""
+def bench_roofline(shapes, specs, repeats: int, bucket_size: int | None = None) -> dict:
+    """compress + decompress of every leaf (one jitted call each) against ``x * 2``.
+
+    With ``bucket_size``, the tree is cut into buckets of that many entries
+    (:class:`compjax.transforms.buckets.Buckets`, as ``bucket_size=`` does in
+    the transformations): compress cuts and compresses the buckets, decompress
+    decodes them and rebuilds the tree's leaves.
+    """
     xs = random_tree(shapes)
-    keys = jax.random.split(jax.random.key(1), len(xs))
+    layout = None if bucket_size is None else Buckets(xs, bucket_size)
+    keys = jax.random.split(jax.random.key(1), len(xs) if layout is None else len(layout.bounds))
     copy = jax.jit(lambda xs: [x * 2.0 for x in xs])
     out = {"shapes": [list(s) for s in shapes], "entries": sum(math.prod(s) for s in shapes)}
+    out["bucket_size"] = bucket_size
     out["compressors"] = {}
     for spec in specs:
         comp = make_compressor(spec)
+        if layout is None:
+            parts, whole = lambda xs: xs, lambda arrays: arrays
+        else:
+            parts, whole = layout.cut, layout.rebuild
         enc = jax.jit(
-            lambda keys, xs, comp=comp: [comp.compress(k, x) for k, x in zip(keys, xs, strict=True)]
+            lambda keys, xs, comp=comp, parts=parts: [
+                comp.compress(k, x) for k, x in zip(keys, parts(xs), strict=True)
+            ]
         )
-        dec = jax.jit(lambda ps, comp=comp: [comp.decompress(p) for p in ps])
+        dec = jax.jit(lambda ps, comp=comp, whole=whole: whole([comp.decompress(p) for p in ps]))
         payloads = jax.block_until_ready(enc(keys, xs))
         faults: dict = {}
         times = interleaved(
@@ -258,13 +277,13 @@ def bench_torch(shapes, specs, repeats: int) -> dict | None:
 # -- top-k ---------------------------------------------------------------------------------------
 def bench_topk(repeats: int) -> dict:
     x = jax.random.normal(jax.random.key(2), (N,), jnp.float32)
-    k = dgc_lib.num_selected(N, DGC_RATIO)
-    low, capacity = dgc_lib.band_limits(k, N, (0.8, 1.3))
-    exact = jax.jit(lambda x: dgc_lib.exact_select(x, k))
-    sampled = jax.jit(lambda x, offset: dgc_lib.sampled_threshold_select(x, k, offset=offset))
+    k = dgc_select.num_selected(N, DGC_RATIO)
+    low, capacity = dgc_select.band_limits(k, N, (0.8, 1.3))
+    exact = jax.jit(lambda x: dgc_select.exact_select(x, k))
+    sampled = jax.jit(lambda x, offset: dgc_select.sampled_threshold_select(x, k, offset=offset))
     times = interleaved({"exact": partial(exact, x), "sampled": partial(sampled, x, 0)}, repeats)
     # The count and fallback over several sample offsets (the transformation rotates it).
-    stride, _ = dgc_lib.sample_layout(N, k, 0.01)
+    stride, _ = dgc_select.sample_layout(N, k, 0.01)
     offsets = list(range(0, stride, max(1, stride // 8)))
     selections = [sampled(x, o) for o in offsets]
     counts = [int(s.count) for s in selections]
@@ -480,7 +499,11 @@ def verdict(ok: bool) -> str:
 
 def goal_rows(res: dict) -> list[dict]:
     rows = []
-    for label, key in (("2^24 fp32", "roofline"), ("ResNet-50 tree", "roofline_tree")):
+    for label, key in (
+        ("2^24 fp32", "roofline"),
+        ("ResNet-50 tree", "roofline_tree"),
+        (f"ResNet-50 tree in buckets of 2^{BUCKET_LOG2}", "roofline_buckets"),
+    ):
         sec = res.get(key, {})
         for spec, r in sec.get("compressors", {}).items():
             med = r["median_s"]
@@ -720,6 +743,8 @@ def main(argv=None) -> int:
     res["roofline"] = bench_roofline([(N,)], ELEMENTWISE, repeats)
     print("roofline, ResNet-50 tree", flush=True)
     res["roofline_tree"] = bench_roofline(shapes_tree, ELEMENTWISE, repeats)
+    print(f"roofline, ResNet-50 tree in buckets of 2^{BUCKET_LOG2}", flush=True)
+    res["roofline_buckets"] = bench_roofline(shapes_tree, ELEMENTWISE, repeats, 2**BUCKET_LOG2)
     print("memory analysis", flush=True)
     res["memory"] = bench_memory(ELEMENTWISE)
     print("PyTorch compressors", flush=True)

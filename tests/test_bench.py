@@ -118,7 +118,7 @@ def test_quick_run_writes_every_section(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "bench.json").read_text())
-    for section in ("roofline", "roofline_tree", "memory", "topk", "step"):
+    for section in ("roofline", "roofline_tree", "roofline_buckets", "memory", "topk", "step"):
         assert "error" not in res[section], res[section]
     assert set(res["roofline"]["compressors"]) == set(bench.ELEMENTWISE)
     assert set(res["step"]["ratio"]) == set(bench.ELEMENTWISE)

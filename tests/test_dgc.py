@@ -1,12 +1,12 @@
 """Deep Gradient Compression: agreement with a plain step-by-step reference, its selection,
-masking, accounting and argument checks.
+masking, accounting, the compressed all-reduce exchange and argument checks.
 
 Shapes are fixed (``PARAMS`` of test_transforms, one 32768-entry vector for the
 selection) so that each configuration compiles once.
 """
 
 import math
-from functools import partial
+from functools import cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 from test_transforms import PARAMS, assert_trees_close, run_shard_map, run_vmap, worker_grads
 
 import compjax
-from compjax.transforms import dgc as dgc_lib
-from compjax.transforms.dgc import DGCState, dgc, sample_layout, sampled_threshold_select
+from compjax.transforms import dgc_select as select_lib
+from compjax.transforms.dgc import DGCState, dgc
+from compjax.transforms.dgc_select import sample_layout, sampled_threshold_select
 
 N = 8
 STEPS = 5
@@ -165,10 +166,17 @@ def test_nothing_dropped_is_momentum_sgd(nesterov):
 BIG = {"w": jnp.zeros((64, 64))}  # 4096 entries: k = 41 at ratio 0.01
 
 
-@partial(jax.jit, static_argnums=(0, 1))
-def _one_worker_steps(masking, sampled, grads):
+@partial(jax.jit, static_argnums=(0, 1, 2))
+def _one_worker_steps(masking, sampled, exchange, grads):
     """Single-worker steps (a scan): the state before each step, the update, the state after."""
-    tx = dgc(None, 0.01, momentum_masking=masking, sampled_threshold=sampled, min_size=1)
+    tx = dgc(
+        None,
+        0.01,
+        momentum_masking=masking,
+        sampled_threshold=sampled,
+        min_size=1,
+        exchange=exchange,
+    )
 
     def step(state, g):
         upd, new = tx.update({"w": g}, state)
@@ -177,11 +185,15 @@ def _one_worker_steps(masking, sampled, grads):
     return jax.lax.scan(step, tx.init(BIG), grads)[1]
 
 
-@pytest.mark.parametrize("sampled", [False, True])
-@pytest.mark.parametrize("masking", [True, False])
-def test_momentum_masking_zeroes_exactly_the_sent_coordinates(masking, sampled):
+MASKING_CASES = [
+    (masking, sampled, "all_gather") for sampled in (False, True) for masking in (True, False)
+] + [(True, False, "scatter_gather")]  # one worker: v - local, masking where local != 0
+
+
+@pytest.mark.parametrize(("masking", "sampled", "exchange"), MASKING_CASES)
+def test_momentum_masking_zeroes_exactly_the_sent_coordinates(masking, sampled, exchange):
     grads = jax.random.normal(jax.random.key(7), (3, 64, 64)) * jnp.linspace(0.1, 3.0, 64)
-    old, upd, new = jax.tree.map(np.asarray, _one_worker_steps(masking, sampled, grads))
+    old, upd, new = jax.tree.map(np.asarray, _one_worker_steps(masking, sampled, exchange, grads))
     for t, g in enumerate(np.asarray(grads).reshape(3, -1)):
         u_old, v_old = (x["w"][t].reshape(-1) for x in (old.momentum, old.velocity))
         u_new, v_new = (x["w"][t].reshape(-1) for x in (new.momentum, new.velocity))
@@ -297,10 +309,10 @@ def test_threshold_is_lowered_into_the_band(iters, accepted):
 # that is not a multiple of the 64-entry blocks.
 @partial(jax.jit, static_argnames=("k", "iters"))
 def _both_selections(x, offset, k, iters):
-    samples, top = dgc_lib._samples(x, k, offset, 0.01)
+    samples, top = select_lib._samples(x, k, offset, 0.01)
     args = (samples, top, k, (0.8, 1.3), iters)
-    reference = dgc_lib._reference_select(jnp.abs(x), *args)
-    blocked = dgc_lib._blocked_select(x, *args, dgc_lib._Blocks.of(x))
+    reference = select_lib._reference_select(jnp.abs(x), *args)
+    blocked = select_lib._blocked_select(x, *args, select_lib._Blocks.of(x))
     return reference, blocked
 
 
@@ -331,7 +343,7 @@ def test_blocked_selection_is_the_reference_selection(seed, kind, d, offset, ite
     (ref_idx, ref_n, ref_ok), (idx, n, ok) = _both_selections(x, offset, k=k, iters=iters)
     assert bool(ok) == bool(ref_ok)
     np.testing.assert_array_equal(idx, ref_idx)
-    _, capacity = dgc_lib.band_limits(k, d, (0.8, 1.3))
+    _, capacity = select_lib.band_limits(k, d, (0.8, 1.3))
     if int(ref_n) > capacity:  # too many pass: the count may be that of the blocks instead
         assert int(n) > capacity
     else:
@@ -395,6 +407,10 @@ BAD = [
     ("accept_band", {"accept_band": (0.8,)}),
     ("max_adaptation_iters", {"max_adaptation_iters": -1}),
     ("min_size", {"min_size": 0}),
+    ("exchange", {"exchange": "ring"}),
+    ("exchange", {"exchange": None}),
+    ("sampled_threshold", {"sampled_threshold": True, "exchange": "scatter_gather"}),
+    ("sampled_threshold", {"sampled_threshold": True, "exchange": compjax.hierarchical("x")}),
 ]
 
 
@@ -402,3 +418,92 @@ BAD = [
 def test_bad_parameters_raise_naming_them(name, kwargs):
     with pytest.raises(ValueError, match=name):
         dgc("data", **kwargs)
+
+
+# -- other exchanges: the sparse leaves through compjax.exchange.compressed_mean ------------
+SCATTER = dict(
+    ratio=0.2,
+    min_size=10,
+    nesterov=True,
+    clip_norm=4.0,
+    warmup_ratios=(0.6,),
+    warmup_steps_per_phase=2,
+    exchange="scatter_gather",
+)
+
+
+@cache
+def _scatter_gather_run():
+    """The float32 run of ``dgc(**SCATTER)`` under vmap (shared by the tests below)."""
+    return run_vmap(dgc("data", **SCATTER), GRADS, N)
+
+
+def test_scatter_gather_loses_nothing():
+    """Without momentum correction, ``n sum_t update + sum_i v_i + sum_j m_j = sum_t,i g_i``,
+    through warm-up phases of different top-k ratios sharing the server memory (flatten: 18
+    entries, 3 per shard, 2 then 1 sent per shard)."""
+    tx = dgc(
+        "data",
+        0.2,
+        momentum_correction=False,
+        warmup_ratios=(0.6,),
+        warmup_steps_per_phase=2,
+        min_size=10,
+        flatten=True,
+        exchange="scatter_gather",
+    )
+    outs, state = run_vmap(tx, GRADS, N)
+    applied = N * sum(updates_as_vectors(o, True)["all"] for o in outs)
+    residual = as_vectors(state.velocity, N, True)["all"].sum(0)
+    server = as_vectors(state.server_error, N, True)["all"].sum(0)
+    assert np.abs(server).max() > 0  # the shard owners did drop entries
+    inputs = sum(
+        updates_as_vectors(jax.tree.map(lambda a: a.sum(0), g), True)["all"] for g in GRADS
+    )
+    np.testing.assert_allclose(applied + residual + server, inputs, rtol=0, atol=1e-4)
+
+
+def test_scatter_gather_shard_map_agrees_with_vmap():
+    tx = dgc("data", **SCATTER)
+    outs, state = _scatter_gather_run()
+    assert state.server_error["w"].shape == (N, 1, 5, 3)
+    specs = compjax.state_specs(jax.eval_shape(tx.init, PARAMS), "data")
+    assert specs.server_error["w"] == jax.P("data")
+    mesh = jax.make_mesh((N,), ("data",))
+    assert_trees_close(run_shard_map(tx, GRADS, mesh), outs, rtol=1e-5, atol=1e-6)
+
+
+def test_scatter_gather_bfloat16_is_finite_and_close():
+    tx = dgc("data", **SCATTER)
+    half = lambda t: jax.tree.map(lambda a: a.astype(jnp.bfloat16), t)  # noqa: E731
+    state = jax.vmap(lambda _: tx.init(half(PARAMS)))(jnp.arange(N))
+    step = jax.jit(jax.vmap(tx.update, axis_name="data"))
+    want, _ = _scatter_gather_run()
+    for grads, expected in zip(GRADS, want, strict=True):
+        upd, state = step(half(grads), state)
+        got = jax.tree.map(lambda u: np.asarray(u[0], np.float32), upd)
+        assert all(a.dtype == jnp.bfloat16 for a in jax.tree.leaves(upd))
+        assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(got))
+        assert_trees_close(got, expected, rtol=0.02, atol=0.02)  # seen: 0.005
+
+
+def test_communication_of_the_compressed_all_reduce():
+    """Two workers: each sends the top 20 of each 2048-entry shard, then of its own shard."""
+    params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}  # 4096 sparse, 64 dense
+    flag, dense, shard = 8, 64 * 32, 20 * 64  # round(0.01 * 2048) entries of 32 + 32 bits
+    for kwargs in ({}, {"warmup_steps_per_phase": 100}):
+        report = compjax.communication(
+            dgc("data", 0.01, exchange="scatter_gather", **kwargs), params
+        )
+        assert report.messages == (
+            ("flag", 8),
+            ("dense", dense),
+            ("scatter", 2 * shard),
+            ("gather", shard),
+        )
+        assert report.bits_per_worker == flag + dense + 3 * shard
+    tx = dgc(("hosts", "local"), 0.01, exchange=compjax.hierarchical("local"))
+    report = compjax.communication(tx, params, ("hosts", "local"))
+    kinds = [kind for kind, _ in report.messages]
+    assert kinds == ["flag", "dense", "fast_reduce_scatter", "scatter", "gather", "fast_all_gather"]
+    assert report.slow_bits == flag + dense + 2 * shard // 2 + shard // 2
