@@ -33,6 +33,9 @@ TRANSFORMS = {
     "diana(qsgd)": lambda ax: compjax.diana(compjax.qsgd(2), ax),
     "sign_majority_vote(momentum)": lambda ax: compjax.sign_majority_vote(ax, momentum=0.9),
     "sign_majority_vote(psum)": lambda ax: compjax.sign_majority_vote(ax, via="psum"),
+    "sign_majority_vote(scatter_gather)": lambda ax: compjax.sign_majority_vote(
+        ax, momentum=0.9, via="scatter_gather"
+    ),
     "terngrad_allreduce": lambda ax: compjax.terngrad_allreduce(ax),
     "terngrad_allreduce(own scalers)": lambda ax: compjax.terngrad_allreduce(
         ax, share_scaler=False
@@ -247,11 +250,37 @@ def test_single_worker_axis_none():
 
 def test_sign_majority_vote_semantics():
     g = {"x": jnp.array([[1.0, -1.0, 0.0, 2.0], [3.0, -2.0, 0.0, -1.0], [-1.0, -5.0, 0.0, 0.0]])}
-    for via, expect in [("all_gather", [1, -1, 1, 1]), ("psum", [1, -1, 0, 0])]:
+    cases = [("all_gather", [1, -1, 1, 1]), ("psum", [1, -1, 0, 0])]
+    cases += [("scatter_gather", [1, -1, 1, 1])]  # the all-gather's vote, tallied per shard
+    for via, expect in cases:
         tx = compjax.sign_majority_vote("data", via=via)
         state = jax.vmap(lambda _, tx=tx: tx.init({"x": jnp.zeros(4)}))(jnp.arange(3))
         upd, _ = jax.vmap(tx.update, axis_name="data")(g, state)
-        np.testing.assert_array_equal(upd["x"][0], expect)
+        np.testing.assert_array_equal(upd["x"], np.broadcast_to(expect, (3, 4)))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_sign_vote_scatter_gather_is_the_all_gather_vote(n):
+    """Every worker gets the all-gather's vote, ties (even n) included; d = 37 pads the
+    last shard.  The messages: the packed signs of n shards, then one shard's outcome in
+    1 bit per entry (odd n) or 2 (even n, a tie is a third value)."""
+    signs = jax.random.choice(jax.random.key(n), jnp.array([-1.0, 0.0, 2.0]), (n, 37))
+    votes = {}
+    for via in ("all_gather", "scatter_gather"):
+        tx = compjax.sign_majority_vote("data", via=via)
+        state = jax.vmap(lambda _, tx=tx: tx.init({"x": jnp.zeros(37)}))(jnp.arange(n))
+        votes[via] = np.asarray(jax.vmap(tx.update, axis_name="data")({"x": signs}, state)[0]["x"])
+    np.testing.assert_array_equal(votes["scatter_gather"], votes["all_gather"])
+    assert (votes["all_gather"] == 0).any() == (n % 2 == 0)  # the ties are exercised
+    m, width = -(-37 // n), 1 if n % 2 else 2
+    report = compjax.communication(
+        compjax.sign_majority_vote("data", via="scatter_gather"),
+        {"x": jnp.zeros(37)},
+        "data",
+        num_workers=n,
+    )
+    scatter, gather = n * -(-m // 8) * 8, -(-m * width // 8) * 8
+    assert report.messages == (("flag", 8), ("scatter", scatter), ("gather", gather))
 
 
 @partial(jax.jit, static_argnums=0)

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import optax
 
 from compjax.collectives import AxisName, sign_vote
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded
+from compjax.transforms.base import Leaves, any_non_finite, check_grouping, counted, guarded
 
-_VIA = ("all_gather", "psum")
+_VIA = ("all_gather", "psum", "scatter_gather")
 
 
 class SignVoteState(NamedTuple):
@@ -36,6 +36,7 @@ def sign_majority_vote(
     *,
     via: str = "all_gather",
     flatten: bool = False,
+    bucket_size: int | None = None,
 ) -> optax.GradientTransformation:
     """Each worker sends ``sign(g_i)`` (or the sign of its momentum); the update is the vote.
 
@@ -50,8 +51,16 @@ def sign_majority_vote(
       axis_name: the data-parallel axis.
       momentum: Signum's ``beta`` in ``[0, 1)``, or ``None`` (signSGD).
       via: ``"all_gather"``: signs bit-packed, 1 bit per entry, a zero votes
-        +1; ``"psum"``: int8 signs summed, 8 bits per entry, zeros abstain.
+        +1; ``"psum"``: int8 signs summed, 8 bits per entry, zeros abstain;
+        ``"scatter_gather"``: the all-gather's vote, tallied shard by shard
+        (worker ``j`` counts shard ``j`` of every worker's packed signs and
+        all-gathers the outcome, 1 bit per entry for odd ``n``, 2 bits for
+        even ``n``); traffic ``(n - 1) / n (1 + w) d`` bits per worker
+        instead of ``(n - 1) d``.
       flatten: treat the tree as one vector (changes nothing but the layout).
+      bucket_size: compress the flattened tree in buckets of this many
+        entries (one message and one scale per bucket) instead of leaf by
+        leaf; ``None``: per leaf.
 
     Raises:
       ValueError: ``momentum`` outside ``[0, 1)`` or an unknown ``via``.
@@ -65,13 +74,15 @@ def sign_majority_vote(
     if via not in _VIA:
         raise ValueError(f"via must be one of {_VIA}, got {via!r}")
 
+    check_grouping(flatten, bucket_size)
+
     def init_fn(params):
         if momentum is None:
             return SignVoteState(momentum=None)
-        return SignVoteState(momentum=Leaves(params, flatten).worker_state())
+        return SignVoteState(momentum=Leaves(params, flatten, bucket_size).worker_state())
 
     def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
+        leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
         if momentum is None:
             voted, new_state = leaves.arrays, state
