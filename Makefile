@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-peers proofs bench lint format figures readme-table clean
+.PHONY: test test-slow test-peers proofs bench bench-net lint format figures readme-table clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test-peers: $(STAMP)
 ## make proofs: check every theorem the library relies on; writes proofs_checks/REPORT.md.
 proofs: $(STAMP)
 	$(PY) -m proofs_checks
+
+## make bench-net: measured training steps of 2 and 4 jax.distributed processes on a loopback
+## limited to 0.1/1/10 Gbit/s (needs root for ip netns and tc; says why and exits 0 otherwise);
+## writes results/bench_net.{json,md,png}.  ARGS=--quick: 1 Gbit/s only.
+bench-net: $(STAMP)
+	$(PY) -m experiments.bench_net $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

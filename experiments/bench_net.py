@@ -1,0 +1,231 @@
+"""``make bench-net``: compressed training across processes on a rate-limited network.
+
+What is measured, all in one run:
+
+* **step time**: real data-parallel training steps of a 10.5M-parameter
+  transformer language model (:mod:`experiments.bench_net_model`), 2 and 4
+  ``jax.distributed`` processes with one CPU device each, gloo collectives,
+  the step under ``jax.jit(jax.shard_map(...))`` over the mesh axis
+  ``"data"`` (:mod:`experiments.bench_net_worker`).  The processes run in a
+  network namespace made here (:mod:`experiments.netns`) and talk over its
+  loopback only, limited by a token bucket to 0.1, 1 and 10 Gbit/s (``tc
+  qdisc replace ... tbf``), and once without a limit.  Each setting is the
+  median over the timed steps of the slowest process's step time, after
+  warm-up steps;
+* **speedups** of each method over the two baselines timed in the same run
+  at the same rate: dense float32 (``compress(identity())``, a psum) and the
+  bfloat16 cast (a psum of bf16);
+* **traffic**: the namespace's loopback ``tx_bytes`` around the timed steps
+  (every byte any process sends crosses it once), per worker and step;
+* **prediction**: :func:`experiments.costmodel.predicted_step` on a
+  :class:`experiments.costmodel.SharedMedium` (the token bucket is one link
+  all processes share) from the step measured without a limit (compute plus
+  codec) and the collectives of the compiled step
+  (:mod:`experiments.bench_net_report`).
+
+Writes ``results/bench_net.json`` (every raw time, the traffic, the compiled
+collectives, the machine), ``results/bench_net.md`` (the tables and the
+GOAL lines) and ``results/bench_net.png`` (measured speedups over the
+predicted curves; copied to ``paper_figs/out/fig9_measured.png``, and the
+full run's table to ``paper_figs/out/fig9_measured.md``).
+
+Usage (as root: namespaces and ``tc`` need it; elsewhere it says why and
+exits 0)::
+
+    python -m experiments.bench_net                 # 2 and 4 processes, 0.1/1/10 Gbit/s
+    python -m experiments.bench_net --quick         # 1 Gbit/s only, fewer steps
+    python -m experiments.bench_net --rates 1gbit --workers 4 --methods qsgd-sg,topk-sg
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from experiments import bench, bench_net_model, bench_net_report, netns
+
+RATES = ("100mbit", "1gbit", "10gbit")
+WORKERS = (2, 4)
+QUICK_RATES = ("1gbit",)
+#: Timed steps per setting (the slowest rate gets fewer: a dense step takes seconds there).
+STEPS = {"unlimited": 5, "default": 5, "100mbit": 3}
+QUICK_STEPS = {"unlimited": 3, "default": 3, "100mbit": 2}
+WARMUP = 2
+COMPUTE_STEPS = 5
+BASE_PORT = 29400
+TIMEOUT_S = 3600
+ROOT = Path(__file__).resolve().parent.parent
+FIGURE_COPY = ROOT / "paper_figs" / "out" / "fig9_measured.png"
+TABLE_COPY = FIGURE_COPY.with_suffix(".md")
+#: One thread per process for XLA, OpenMP and OpenBLAS (up to 4 processes on 2 cores).
+THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def worker_env(base: dict[str, str]) -> dict[str, str]:
+    """The environment of a worker: one CPU device, one thread, this checkout importable."""
+    env = {k: v for k, v in base.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {THREAD_FLAGS}"
+    env |= {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), base.get("PYTHONPATH")) if p)
+    return env
+
+
+def worker_command(ns: str, rank: int, n: int, port: int, config: Path, out: Path) -> list[str]:
+    """The command line of worker ``rank`` of ``n``, run inside namespace ``ns``."""
+    argv = [sys.executable, "-m", "experiments.bench_net_worker", "--process-id", str(rank)]
+    argv += ["--num-processes", str(n), "--port", str(port)]
+    argv += ["--config", str(config), "--out", str(out)]
+    return netns.in_namespace(ns, argv)
+
+
+def plan(rates, methods, quick: bool) -> dict:
+    """The workers' configuration: model, methods, rates (``None`` first: no limit), steps."""
+    table = QUICK_STEPS if quick else STEPS
+    names = ["unlimited", *rates]
+    return {
+        "model": {},
+        "methods": [m.key for m in methods],
+        "rates": [None, *rates],
+        "steps": {r: table.get(r, table["default"]) for r in names},
+        "warmup": 1 if quick else WARMUP,
+        "compute_steps": 3 if quick else COMPUTE_STEPS,
+    }
+
+
+def launch(ns: str, n: int, config: dict, tmp: Path, port: int, timeout: float) -> dict:
+    """Run one job of ``n`` processes in ``ns``; its result, or ``{"error": ...}``.
+
+    Process 0 prints its progress here; every process also logs to ``tmp``.
+    On a failure, a timeout or Ctrl-C every process is killed.
+    """
+    cfg_path, out = tmp / f"config{n}.json", tmp / f"result{n}.json"
+    cfg_path.write_text(json.dumps(config))
+    env = worker_env(dict(os.environ))
+    procs, logs = [], []
+    try:
+        for rank in range(n):
+            log = (tmp / f"worker{n}-{rank}.log").open("wb")
+            logs.append(log)
+            stdout = None if rank == 0 else log
+            argv = worker_command(ns, rank, n, port, cfg_path, out)
+            procs.append(subprocess.Popen(argv, stdout=stdout, stderr=log, env=env, cwd=ROOT))
+        failure = wait_all(procs, timeout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            proc.wait()
+        for log in logs:
+            log.close()
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if failure is not None:
+        tails = [
+            f"--- worker {r} ---\n"
+            + (tmp / f"worker{n}-{r}.log").read_text(errors="replace")[-2000:]
+            for r in range(n)
+        ]
+        result["error"] = failure + "\n" + "\n".join(tails)
+    return result
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> str | None:
+    """Wait for every process; ``None`` if all exit 0, else why not."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if any(c not in (None, 0) for c in codes):
+            return f"a worker failed (exit codes {codes})"
+        if all(c == 0 for c in codes):
+            return None
+        time.sleep(0.2)
+    return f"timed out after {timeout:.0f} s"
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1 Gbit/s only, fewer steps")
+    parser.add_argument("--rates", help=f"comma-separated tc rates (default {','.join(RATES)})")
+    parser.add_argument("--workers", help="comma-separated process counts (default 2,4)")
+    keys = ",".join(m.key for m in bench_net_model.METHODS)
+    parser.add_argument("--methods", help=f"comma-separated, of {keys} (baselines always run)")
+    parser.add_argument("--out", default=str(ROOT / "results"), help="output directory")
+    parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per job")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rates = tuple(args.rates.split(",")) if args.rates else (QUICK_RATES if args.quick else RATES)
+    for rate in rates:
+        netns.rate_bits_per_s(rate)  # a clear error for a bad rate, before anything starts
+    workers = tuple(int(w) for w in args.workers.split(",")) if args.workers else WORKERS
+    methods = bench_net_model.select(args.methods.split(",") if args.methods else None)
+    ns = f"compjax-bench-{os.getpid()}"
+    reason = netns.unavailable_reason(ns)
+    if reason is not None:
+        print(f"bench-net: skipped: {reason}")
+        return 0
+    config = plan(rates, methods, args.quick)
+    res: dict = {
+        "machine": bench.machine(),
+        "config": {**config, "workers": list(workers), "quick": args.quick},
+        "network": {"namespace": ns, "burst": netns.BURST, "latency": netns.LATENCY},
+        "methods": {
+            m.key: {"label": m.label, "spec": m.spec, "collective": m.collective} for m in methods
+        },
+        "load_before": bench.load_average(),
+        "runs": {},
+    }
+    start = time.perf_counter()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with netns.namespace(ns), tempfile.TemporaryDirectory() as tmp:
+            for n in workers:
+                print(f"bench-net: {n} processes in namespace {ns}, rates {rates}", flush=True)
+                port = BASE_PORT + n
+                res["runs"][str(n)] = launch(ns, n, config, Path(tmp), port, args.timeout)
+                if "error" in res["runs"][str(n)]:
+                    print(f"bench-net: {n} processes FAILED:\n{res['runs'][str(n)]['error']}")
+    except KeyboardInterrupt:
+        print("bench-net: interrupted; namespace deleted, workers killed", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    res["load_after"] = bench.load_average()
+    res["seconds"] = time.perf_counter() - start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = bench_net_report.analyse(res)
+    res["analysis"] = report
+    (out / "bench_net.json").write_text(json.dumps(res, indent=1, default=float))
+    table = bench_net_report.markdown(res, report)
+    (out / "bench_net.md").write_text(table)
+    png = out / "bench_net.png"
+    bench_net_report.figure(res, report, png)
+    FIGURE_COPY.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(png, FIGURE_COPY)
+    if not args.quick:  # the committed table is the full run's
+        shutil.copyfile(out / "bench_net.md", TABLE_COPY)
+    print(table)
+    print(
+        f"wrote {out / 'bench_net.json'}, {out / 'bench_net.md'}, {png} and {FIGURE_COPY} "
+        f"in {res['seconds']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,252 @@
+"""The workload of ``make bench-net``: a small GPT-style language model, its data, the methods.
+
+* :class:`LMConfig`, :func:`init_params`, :func:`loss_fn`: a decoder-only
+  transformer language model in plain JAX (pre-norm blocks, causal
+  multi-head attention, a 4x MLP, learned positions, an untied output head);
+  10,506,496 parameters at the defaults, in 52 leaves;
+* :func:`tokens`: synthetic token sequences generated locally, a learnable
+  stream (``t' = (a t + b) mod V`` with 10% of the tokens replaced at random),
+  so the loss of a real training run falls;
+* :data:`METHODS`: the exchanges the benchmark times, as expressions of the
+  training harness (:func:`experiments.methods.parse`), each with the
+  collective its payload travels by.
+
+QSGD runs at ``levels=7``: one sign bit and ``bit_length(7) = 3`` magnitude
+bits pack to 4 bits per entry (``levels`` 2 to 7 all pack to 4 bits, 8 needs
+5 and packs to 8), so 7 is the finest QSGD at 4 bits on the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.flatten_util import ravel_pytree
+
+from compjax import collectives
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Sizes of the language model and of each worker's batch."""
+
+    vocab: int = 8192
+    width: int = 256
+    layers: int = 8
+    heads: int = 4
+    length: int = 64
+    batch_per_worker: int = 2
+
+    @property
+    def parameters(self) -> int:
+        """Parameter count: ``2 V d + T d + L (12 d^2 + 2 d) + d``."""
+        d = self.width
+        return 2 * self.vocab * d + self.length * d + self.layers * (12 * d * d + 2 * d) + d
+
+
+def init_params(cfg: LMConfig, seed: int = 0) -> dict:
+    """Float32 numpy parameters: normal(0, 0.02) matrices, unit norm scales.
+
+    Each block has its own leaves (``6 L + 4`` in all), as a framework's
+    per-layer parameters are; every compjax method handles them leaf by leaf.
+    """
+    rng = np.random.default_rng(seed)
+    d = cfg.width
+
+    def normal(*shape, scale=0.02):
+        return (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)).astype(np.float32)
+
+    out_scale = 0.02 / math.sqrt(2 * cfg.layers)  # GPT-2's residual scaling
+    layers = [
+        {
+            "norm1": np.ones(d, np.float32),
+            "qkv": normal(d, 3 * d),
+            "proj": normal(d, d, scale=out_scale),
+            "norm2": np.ones(d, np.float32),
+            "up": normal(d, 4 * d),
+            "down": normal(4 * d, d, scale=out_scale),
+        }
+        for _ in range(cfg.layers)
+    ]
+    return {
+        "embed": normal(cfg.vocab, d),
+        "position": normal(cfg.length, d),
+        "layers": layers,
+        "norm": np.ones(d, np.float32),
+        "head": normal(d, cfg.vocab),
+    }
+
+
+def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMS normalisation with a learned scale."""
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _block(x: jax.Array, p: dict, heads: int) -> jax.Array:
+    batch, length, d = x.shape
+    q, k, v = jnp.split(_norm(x, p["norm1"]) @ p["qkv"], 3, axis=-1)
+    q, k, v = (t.reshape(batch, length, heads, d // heads) for t in (q, k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // heads)
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(batch, length, d) @ p["proj"]
+    return x + jax.nn.gelu(_norm(x, p["norm2"]) @ p["up"]) @ p["down"]
+
+
+def loss_fn(params: dict, batch: jax.Array, heads: int) -> jax.Array:
+    """Mean next-token cross-entropy of ``batch`` (``(B, T + 1)`` int32 tokens)."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    x = params["embed"][inputs] + params["position"][: inputs.shape[1]]
+    for layer in params["layers"]:
+        x = _block(x, layer, heads)
+    logits = _norm(x, params["norm"]) @ params["head"]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def tokens(cfg: LMConfig, worker: int, index: int, noise: float = 0.1) -> np.ndarray:
+    """Batch ``index`` of worker ``worker``: ``(batch_per_worker, length + 1)`` int32 tokens.
+
+    Each row starts at a random token and follows ``t' = (5 t + 17) mod V``;
+    a fraction ``noise`` of the tokens is then replaced by uniform ones.
+    """
+    rng = np.random.default_rng([7, worker, index])
+    rows, cols = cfg.batch_per_worker, cfg.length + 1
+    out = np.empty((rows, cols), np.int64)
+    out[:, 0] = rng.integers(0, cfg.vocab, rows)
+    for t in range(1, cols):
+        out[:, t] = (5 * out[:, t - 1] + 17) % cfg.vocab
+    replace = rng.random((rows, cols)) < noise
+    out[replace] = rng.integers(0, cfg.vocab, int(replace.sum()))
+    return out.astype(np.int32)
+
+
+def bf16_allreduce(axis_name) -> optax.GradientTransformation:
+    """The bfloat16 baseline: a mean over workers that moves bf16 on the wire, as NCCL's does.
+
+    XLA's CPU backend runs every collective of bfloat16 arrays in float32
+    (the compiled all-reduce of ``compress(cast('bfloat16'))``, and even an
+    all-to-all or all-gather of bf16, is f32, and the loopback counts 32 bits
+    per entry), which would make the bf16 baseline as slow as the f32 one.
+    So the baseline here is the all-reduce written as its two ring phases,
+    with the bf16 bits sent as uint16: the whole gradient, raveled, is cast
+    to bf16 and split into ``n`` shards, an ``all_to_all`` hands shard ``j``
+    to worker ``j`` (reduce-scatter), which sums it in float32, casts the sum
+    to bf16 and all-gathers it: ``2 (n - 1) / n * 16 d`` bits per worker, the
+    traffic of a bf16 ring all-reduce.
+    """
+    as_bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)  # noqa: E731
+    as_bf16 = lambda a: jax.lax.bitcast_convert_type(a, jnp.bfloat16)  # noqa: E731
+
+    def update(updates, state, params=None):
+        del params
+        flat, unravel = ravel_pytree(updates)
+        d, n = flat.size, collectives.num_workers(axis_name)
+        m = -(-d // n)
+        shards = as_bits(jnp.pad(flat.astype(jnp.bfloat16), (0, n * m - d)).reshape(n, m))
+        collectives.record("scatter", shards)
+        received = as_bf16(collectives.all_to_all(shards, axis_name))
+        own = as_bits(jnp.sum(received.astype(jnp.float32), axis=0).astype(jnp.bfloat16))
+        collectives.record("gather", own)
+        total = as_bf16(collectives.all_gather_tiled(own, axis_name)[:d])
+        return unravel(total.astype(flat.dtype) / n), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchMethod:
+    """One timed exchange.
+
+    Attributes:
+      key: short name for ``--methods``.
+      label: the name in the table.
+      spec: the harness expression (:func:`experiments.methods.parse`).
+      collective: how its main payload travels: ``"allreduce"`` (a psum),
+        ``"allgather"`` or ``"scatter_gather"`` (all-to-all of compressed
+        shards, then an all-gather of the re-compressed sums).
+      lr: SGD learning rate (the sign methods' updates are +-1 per entry).
+      factory: builds the transformation from the axis name instead of
+        ``spec`` (the bf16 baseline, which is not a library method).
+      bits_per_entry: ``M_c / d`` for a ``factory`` method.
+    """
+
+    key: str
+    label: str
+    spec: str
+    collective: str
+    lr: float = 0.1
+    factory: Callable | None = None
+    bits_per_entry: int | None = None
+
+
+#: Every compressed method but PowerSGD (whose factors are per matrix) sends the raveled
+#: gradient in buckets of 2**22 entries: a few large messages per step instead of one per leaf.
+BUCKET = 2**22
+B = f"bucket_size={BUCKET}"
+
+METHODS: tuple[BenchMethod, ...] = (
+    BenchMethod("fp32", "dense fp32 (psum)", "dense()", "allreduce"),
+    BenchMethod(
+        "bf16",
+        "bf16 all-reduce",
+        "bf16_allreduce()",
+        "scatter_gather",
+        factory=bf16_allreduce,
+        bits_per_entry=16,
+    ),
+    BenchMethod("terngrad", "TernGrad, int8 psum", f"terngrad_allreduce({B})", "allreduce"),
+    BenchMethod("qsgd-ag", "QSGD 4-bit, all-gather", f"compress(qsgd(levels=7), {B})", "allgather"),
+    BenchMethod(
+        "qsgd-sg",
+        "QSGD 4-bit, scatter-gather",
+        f"compress(qsgd(levels=7), exchange='scatter_gather', {B})",
+        "scatter_gather",
+    ),
+    BenchMethod("topk-ag", "EF top-k 1%, all-gather", f"ef(top_k(ratio=0.01), {B})", "allgather"),
+    BenchMethod(
+        "topk-sg",
+        "EF top-k 1%, scatter-gather",
+        f"ef(top_k(ratio=0.01), exchange='scatter_gather', {B})",
+        "scatter_gather",
+    ),
+    BenchMethod("powersgd", "PowerSGD rank 4", "powersgd(rank=4)", "allreduce"),
+    BenchMethod(
+        "sign-ag", "sign vote, packed all-gather", f"sign_majority_vote({B})", "allgather", 1e-4
+    ),
+    BenchMethod(
+        "sign-sg",
+        "sign vote, scatter-gather",
+        f"sign_majority_vote(via='scatter_gather', {B})",
+        "scatter_gather",
+        1e-4,
+    ),
+    BenchMethod(
+        "sign-psum",
+        "sign vote, int8 psum",
+        f"sign_majority_vote(via='psum', {B})",
+        "allreduce",
+        1e-4,
+    ),
+)
+#: The two baselines every speedup is reported against.
+BASELINES = ("fp32", "bf16")
+
+
+def select(keys: list[str] | None) -> tuple[BenchMethod, ...]:
+    """The methods named by ``keys`` (all when ``None``), always with the two baselines first.
+
+    Raises:
+      ValueError: an unknown key (the message lists the known ones).
+    """
+    by_key = {m.key: m for m in METHODS}
+    unknown = [k for k in keys or () if k not in by_key]
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {list(by_key)}")
+    wanted = set(keys or by_key) | set(BASELINES)
+    return tuple(m for m in METHODS if m.key in wanted)

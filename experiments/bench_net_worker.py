@@ -1,0 +1,355 @@
+"""One process of ``make bench-net``: real data-parallel training steps, timed.
+
+:mod:`experiments.bench_net` starts ``n`` of these inside its network
+namespace (``ip netns exec``); they join a ``jax.distributed`` job on
+127.0.0.1 (gloo CPU collectives, one CPU device per process, XLA and BLAS on
+one thread each) and train the language model of
+:mod:`experiments.bench_net_model` over the global 1-D mesh axis ``"data"``,
+with the step of the README ("A complete shard_map training step"):
+``jax.jit(jax.shard_map(...))`` differentiating
+``compjax.worker_params(params, "data")``, the method's optimizer state
+sharded by ``compjax.state_specs`` and ``optax.chain(method, optax.sgd(lr))``.
+
+For every method the step is compiled once (the compiled HLO's collectives
+are recorded, :func:`hlo_collectives`) and run twice to warm up.  Then, for
+each rate (the first without a limit), process 0 sets the loopback's token
+bucket with ``tc`` and every method in turn runs one more warm-up step, a
+barrier, the namespace's loopback ``tx_bytes``, the timed steps (each
+process blocks on each step's outputs and keeps its own times), a barrier
+and ``tx_bytes`` again.  A forward-backward-SGD step on each process's own
+device with no exchange at all is timed first (the compute alone).
+
+Process 0 writes the results as JSON after every rate, so a run cut short
+keeps what it measured::
+
+    ip netns exec NS python -m experiments.bench_net_worker --process-id 0 \\
+        --num-processes 2 --port 29500 --config config.json --out result.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from functools import partial
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import compjax
+from experiments import costmodel, methods, netns
+from experiments.bench_net_model import METHODS, BenchMethod, LMConfig, init_params, loss_fn
+from experiments.bench_net_model import tokens as make_tokens
+
+AXIS = "data"
+P = jax.P
+BATCHES = 4  # distinct batches per worker, cycled
+INIT_TIMEOUT_S = 120
+
+# -- the compiled exchange ------------------------------------------------------------------
+_OPS = {
+    "all-reduce": "allreduce",
+    "all-gather": "allgather",
+    "all-to-all": "alltoall",
+    "reduce-scatter": "reduce_scatter",
+    "collective-permute": "permute",
+}
+_DTYPE_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16}
+_DTYPE_BITS |= {"f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64}
+_DTYPE_BITS |= {"f64": 64}
+_LINE = re.compile(
+    r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<args>.*)$"
+)
+_ARRAY = re.compile(r"\b([a-z]+[0-9]+|pred)\[([0-9,]*)\]")
+
+
+def shape_bits(shape: str) -> int:
+    """Bits of every array in an HLO shape string such as ``(f32[2,3]{1,0}, s8[4]{0})``."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _DTYPE_BITS:
+            raise ValueError(f"unknown HLO element type {dtype!r} in {shape!r}")
+        count = int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+        total += count * _DTYPE_BITS[dtype]
+    return int(total)
+
+
+def hlo_collectives(text: str, workers: int) -> list[dict]:
+    """The collectives of a compiled HLO module, with the message one worker contributes.
+
+    Returns ``{"op", "collective", "dtypes", "bits"}`` per collective op, in
+    program order; ``bits`` is the per-worker message in
+    :func:`experiments.costmodel.wire_bits`'s convention: the output of an
+    all-reduce, an all-to-all or a permute, the output over ``workers`` for an
+    all-gather, the output times ``workers`` for a reduce-scatter (every
+    collective here spans the whole 1-D mesh).  ``*-done`` halves of async
+    pairs are skipped; a ``*-start``'s shape holds its operands and results,
+    and only the results (the last element) are counted.
+    """
+    found = []
+    for line in text.splitlines():
+        m = _LINE.search(line)
+        if m is None or not line.lstrip().startswith(("%", "ROOT")):
+            continue
+        shape = m["shape"]
+        if m["start"]:
+            shape = shape.rsplit("}, ", 1)[-1] if "}, " in shape else shape
+        out = shape_bits(shape)
+        op = m["op"]
+        bits = {"all-gather": out / workers, "reduce-scatter": out * workers}.get(op, out)
+        dtypes = sorted({dtype for dtype, _ in _ARRAY.findall(shape)})
+        found.append({"op": op, "collective": _OPS[op], "dtypes": dtypes, "bits": int(bits)})
+    return found
+
+
+def hlo_wire_bits(collectives: list[dict], workers: int) -> float:
+    """Bits one worker sends per step for these collectives (ring algorithms)."""
+    return sum(costmodel.wire_bits(c["collective"], c["bits"], workers) for c in collectives)
+
+
+# -- arrays across processes ------------------------------------------------------------------
+def replicated(tree, mesh):
+    """Host arrays (equal in every process) as global arrays replicated over ``mesh``."""
+    sharding = jax.NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda x: jax.make_array_from_callback(x.shape, sharding, lambda i, x=x: x[i]), tree
+    )
+
+
+def barrier(name: str) -> None:
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices(name)
+
+
+def gather_times(times: list[float]) -> list[list[float]]:
+    """Every process's list of step times, by process index."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(times))).tolist()
+
+
+def step_seconds(times: list[list[float]]) -> float:
+    """The step time of a setting: the median over steps of the slowest process's time."""
+    return float(statistics.median(np.max(np.asarray(times), axis=0)))
+
+
+# -- one method ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Trainer:
+    """A compiled step with its parameters, optimizer state and batches."""
+
+    method: BenchMethod
+    compiled: object
+    params: object
+    state: object
+    batches: list
+    count: int = 0
+
+    def step(self) -> tuple[float, float]:
+        """Run one step; ``(seconds until its outputs are ready, loss)``."""
+        batch = self.batches[self.count % len(self.batches)]
+        self.count += 1
+        start = time.perf_counter()
+        self.params, self.state, loss = self.compiled(self.params, self.state, batch)
+        jax.block_until_ready((self.params, self.state, loss))
+        seconds = time.perf_counter() - start
+        return seconds, float(np.asarray(loss.addressable_data(0)))
+
+
+def build(method: BenchMethod, cfg: LMConfig, host_params, mesh, batches) -> tuple[Trainer, dict]:
+    """Compile ``method``'s training step; the trainer and what is known before running it.
+
+    Raises:
+      TypeError: the library does not take one of the method's arguments yet.
+    """
+    import optax
+
+    parsed = None if method.factory else methods.parse(method.spec)
+    tx = method.factory(AXIS) if method.factory else parsed.build(AXIS)
+    opt = optax.chain(tx, optax.sgd(method.lr))
+    params = replicated(host_params, mesh)
+    specs = compjax.state_specs(jax.eval_shape(opt.init, params), AXIS)
+    init = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P()))
+    def step(params, state, batch):
+        local = compjax.worker_params(params, AXIS)
+        loss, grads = jax.value_and_grad(loss_fn)(local, batch, cfg.heads)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, AXIS)
+
+    state = init(params)
+    start = time.perf_counter()
+    compiled = step.lower(params, state, batches[0]).compile()
+    n = mesh.size
+    report = compjax.communication(opt, host_params, AXIS, num_workers=n)
+    comp = parsed.compressor if parsed else None
+    entries = sum(np.size(x) for x in jax.tree.leaves(host_params))
+    gathered = parsed.gathered if parsed else lambda kind: kind in ("scatter", "gather")
+    if comp is not None:
+        payload_bits = sum(comp.bits(np.shape(x)) for x in jax.tree.leaves(host_params))
+    else:
+        payload_bits = method.bits_per_entry * entries if method.bits_per_entry else None
+    info = {
+        "compile_s": time.perf_counter() - start,
+        "library_messages": [[kind, bits, gathered(kind)] for kind, bits in report.messages],
+        "library_bits": report.bits_per_worker,
+        "payload_bits": payload_bits,
+        "hlo_collectives": hlo_collectives(compiled.as_text(), n),
+    }
+    info["hlo_wire_bits"] = hlo_wire_bits(info["hlo_collectives"], n)
+    return Trainer(method, compiled, params, state, batches), info
+
+
+def time_compute(cfg: LMConfig, host_params, rank: int, steps: int) -> list[list[float]]:
+    """Each process's forward-backward-SGD step on its own device, no exchange (all at once)."""
+    import optax
+
+    device = jax.local_devices()[0]
+    params = jax.device_put(host_params, device)
+    batch = jax.device_put(make_tokens(cfg, rank, 0), device)
+
+    @partial(jax.jit, donate_argnums=0)
+    def step(params, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg.heads)
+        return optax.apply_updates(params, jax.tree.map(lambda g: -0.1 * g, grads)), loss
+
+    for _ in range(2):
+        params, _ = jax.block_until_ready(step(params, batch))
+    barrier("compute")
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        params, _ = jax.block_until_ready(step(params, batch))
+        times.append(time.perf_counter() - start)
+    return gather_times(times)
+
+
+# -- the run ------------------------------------------------------------------------------------
+def measure(trainer: Trainer, steps: int, rank: int, idle_bytes: int) -> dict:
+    """Time ``steps`` steps of a warmed-up trainer; loopback bytes from process 0's counter."""
+    trainer.step()  # warm-up at this rate
+    barrier("before")
+    before = netns.read_tx_bytes() if rank == 0 else 0
+    times, losses = [], []
+    for _ in range(steps):
+        seconds, loss = trainer.step()
+        times.append(seconds)
+        losses.append(loss)
+    barrier("after")
+    sent = netns.read_tx_bytes() - before - idle_bytes if rank == 0 else 0
+    all_times = gather_times(times)
+    return {
+        "steps": steps,
+        "times": all_times,
+        "step_s": step_seconds(all_times),
+        "tx_bytes": int(sent),
+        "losses": losses,
+    }
+
+
+def run(config: dict, rank: int, n: int, out: Path | None) -> dict:
+    """Every measurement of this job (process 0 writes them to ``out`` after each rate)."""
+    cfg = LMConfig(**config["model"])
+    mesh = jax.make_mesh((n,), (AXIS,))
+    say = print if rank == 0 else (lambda *a, **k: None)
+    host_params = init_params(cfg)
+    result: dict = {"workers": n, "model": dataclasses.asdict(cfg), "methods": {}}
+    result["parameters"] = int(sum(x.size for x in jax.tree.leaves(host_params)))
+    result["leaves"] = len(jax.tree.leaves(host_params))
+    sharding = jax.NamedSharding(mesh, P(AXIS))
+    batches = [
+        jax.make_array_from_process_local_data(sharding, make_tokens(cfg, rank, i))
+        for i in range(BATCHES)
+    ]
+    result["compute"] = {"times": time_compute(cfg, host_params, rank, config["compute_steps"])}
+    result["compute"]["step_s"] = step_seconds(result["compute"]["times"])
+    say(f"[n={n}] compute alone: {1e3 * result['compute']['step_s']:.0f} ms/step", flush=True)
+
+    trainers = {}
+    by_key = {m.key: m for m in METHODS}
+    for key in config["methods"]:
+        method = by_key[key]
+        try:
+            trainer, info = build(method, cfg, host_params, mesh, batches)
+        except TypeError as err:  # a keyword the library does not take yet
+            result["methods"][key] = {"skipped": f"TypeError: {err}"}
+            say(f"[n={n}] {method.label}: SKIPPED (TypeError: {err})", flush=True)
+            continue
+        for _ in range(config["warmup"]):
+            trainer.step()
+        trainers[key] = trainer
+        result["methods"][key] = {**info, "rates": {}}
+        say(f"[n={n}] compiled {method.label} in {info['compile_s']:.1f} s", flush=True)
+
+    barrier("idle0")
+    before = netns.read_tx_bytes() if rank == 0 else 0
+    barrier("idle1")
+    idle = netns.read_tx_bytes() - before if rank == 0 else 0
+    result["idle_bytes"] = int(idle)
+    installed = False
+    for rate in config["rates"]:
+        name = rate or "unlimited"
+        if rank == 0:
+            netns.run(netns.rate_command(rate, installed=installed))
+            installed = rate is not None
+        barrier(f"rate {name}")
+        for key, trainer in trainers.items():
+            r = measure(trainer, config["steps"][name], rank, idle)
+            result["methods"][key]["rates"][name] = r
+            mb = r["tx_bytes"] / n / r["steps"] / 2**20
+            say(
+                f"[n={n}] {name:>9s}  {trainer.method.label:30s} {1e3 * r['step_s']:8.0f} ms/step"
+                f"  {mb:8.2f} MiB/worker/step  loss {r['losses'][-1]:.3f}",
+                flush=True,
+            )
+        if rank == 0 and out is not None:
+            out.write_text(json.dumps(result))
+    return result
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config", required=True, help="JSON: model, methods, rates, steps")
+    parser.add_argument("--out", required=True, help="JSON result (written by process 0)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    """Join the loopback job and run; on an error print it and exit at once (no hang)."""
+    args = parse_args(argv)
+    address = f"127.0.0.1:{args.port}"
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", 1)
+    jax.distributed.initialize(
+        address,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        coordinator_bind_address=address,
+        initialization_timeout=INIT_TIMEOUT_S,
+    )
+    try:
+        config = json.loads(Path(args.config).read_text())
+        run(config, args.process_id, args.num_processes, Path(args.out))
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
