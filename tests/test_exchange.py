@@ -166,6 +166,18 @@ def test_diana_shift_stays_the_mean_of_the_local_shifts():
     np.testing.assert_allclose(state.shift[0], state.local_shift.mean(0)[0], atol=1e-5)
 
 
+def test_ef21_estimate_and_server_memories_are_the_local_estimates():
+    """EF21 over scatter-gather with top-k: n g + sum_j m_j = sum_i g_i after every step."""
+    tx = compjax.ef21(TOP_K, "data", exchange="scatter_gather")
+    init, update = vmapped(tx, ("data",))
+    state = init(normal(70, (N, D)))
+    for step in range(3):
+        _, state = update(normal(70 + step, (N, D)), state)
+        left = N * state.estimate[0] + state.server_error.sum(0)[0]
+        np.testing.assert_allclose(left, state.local.sum(0)[0], atol=1e-4)
+    assert np.abs(np.asarray(state.server_error)).max() > 0
+
+
 def _shard_map_run(tx, xs, mesh, axes):
     params = jnp.zeros(D)
     specs = compjax.state_specs(jax.eval_shape(tx.init, params), axes)

@@ -26,3 +26,14 @@ def test_readme_shard_map_training_step_runs():
     namespace = {}
     exec(compile(code, "README.md", "exec"), namespace)
     assert float(namespace["loss"]) < 2.0  # below log(10): it trained
+
+
+def test_readme_scaling_example_runs():
+    text = README.read_text()
+    section = text.split("## Scaling", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    report, d = namespace["report"], 512 * 256 + 256
+    assert report.fast_bits == 32 * 5 * (d // 4)  # reduce-scatter 4 shards, gather 1, float32
+    assert 0 < report.slow_bits < report.fast_bits / 10
