@@ -155,6 +155,56 @@ def _gather_target(axis_name: AxisName) -> str:
     return "invarying" if set(_names(axis_name)) <= manual else "varying"
 
 
+def _tracks_variation(name: str) -> bool:
+    """Whether values here carry the manual axes they vary over (``shard_map`` with
+    ``check_vma=True``); ``pmap`` and ``check_vma=False`` do not."""
+    return name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying
+
+
+def check_worker_local(arrays, axis_name: AxisName) -> None:
+    """Refuse a gradient that is already reduced over the workers, or an untyped 2-D mesh.
+
+    Under ``shard_map`` (``check_vma=True``, the default) every value knows
+    the mesh axes it varies over.  A worker's own gradient varies over
+    ``axis_name``; the gradient of a replicated (``P()``) input does not,
+    because JAX's autodiff has already summed it over the workers, and a
+    compressed exchange of it would be ``n`` times too large and save
+    nothing.  Under ``check_vma=False`` nothing can be told, which is
+    harmless on a mesh of the data axes alone but not with other axes (a
+    model axis): refused.  Under ``vmap`` and ``pmap`` gradients are local.
+
+    Raises:
+      ValueError: a leaf does not vary over an axis of ``axis_name`` (the
+        message names it and ``compjax.worker_params``), or ``check_vma=False``
+        on a mesh with axes besides ``axis_name``.
+    """
+    names = _bound_names(axis_name)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if not names or not set(names) <= manual:
+        return
+    if not _tracks_variation(names[0]):
+        others = sorted(manual - set(names))
+        if others:
+            raise ValueError(
+                f"shard_map with check_vma=False over a mesh with axes {others} besides "
+                f"axis_name {axis_name!r}: compjax cannot tell which values vary over them "
+                f"(leaves sharded over {others[0]!r} would take wrong steps); use "
+                f"check_vma=True, the default"
+            )
+        return
+    for leaf in arrays:
+        varying = jax.typeof(leaf).manual_axis_type.varying
+        missing = [a for a in names if a not in varying]
+        if missing:
+            raise ValueError(
+                f"the gradient does not vary over axis {missing[0]!r}: it is already summed "
+                f"over the workers (under shard_map, the gradient of a replicated input is), "
+                f"so compressing it would apply it {num_workers(missing[0])} times over and "
+                f"save nothing. Differentiate compjax.worker_params(params, {axis_name!r}) "
+                f"instead of params, so each worker keeps its own gradient"
+            )
+
+
 def worker_params(tree, axis_name: AxisName):
     """This worker's own copy of replicated ``tree`` (params), to differentiate.
 
@@ -167,9 +217,11 @@ def worker_params(tree, axis_name: AxisName):
     ``pmap`` and ``vmap`` the gradient is local anyway and this returns the
     tree as it is.
     """
-    if axis_name is None or _gather_target(axis_name) == "varying":
+    if axis_name is None:
         return tree
-    names = _bound_names(axis_name)
+    names = _bound_names(axis_name)  # a misspelled axis raises, as everywhere
+    if _gather_target(axis_name) == "varying":
+        return tree
     return jax.tree.map(lambda x: jax.lax.pcast(x, names, to="varying"), tree)
 
 

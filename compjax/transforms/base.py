@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.flatten_util import ravel_pytree
 
-from compjax.collectives import any_worker, exchange_round
+from compjax.collectives import any_worker, check_worker_local, exchange_round
 from compjax.compressor import raw_key
 from compjax.exchange import keeps_memory
 from compjax.transforms.buckets import Buckets
@@ -200,7 +200,12 @@ def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
 
 
 def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> jax.Array:
-    """Whether any worker's ``arrays`` hold an Inf or NaN (same answer on every worker)."""
+    """Whether any worker's ``arrays`` hold an Inf or NaN (same answer on every worker).
+
+    Every transformation calls this first, so it also checks that ``arrays``
+    are each worker's own (:func:`compjax.collectives.check_worker_local`).
+    """
+    check_worker_local(arrays, axis_name)
     return any_worker(~all_finite(arrays), axis_name)
 
 
