@@ -28,13 +28,26 @@ class CommunicationReport(NamedTuple):
 
     Attributes:
       bits_per_worker: bits one worker sends per step (from the payloads).
-      dense_bits: bits of the same update sent as dense float32.
+      dense_bits: bits of the same update sent dense, in each gradient leaf's
+        own dtype (16 per entry for a bf16 model, 32 for float32).
       messages: ``(kind, bits)`` of every message, in order.
+      routes: ``(kind, via, axes)`` of every message, in the same order:
+        ``via`` the collective that carries it (``"all_reduce"``,
+        ``"all_gather"``, ``"all_to_all"`` or ``"reduce_scatter"``; a
+        ``pmax`` is an all-reduce), ``axes`` the mesh axes it crosses.
     """
 
     bits_per_worker: int
     dense_bits: int
     messages: tuple[tuple[str, int], ...]
+    routes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+
+    def bits_by_route(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """Bits per ``(via, axes)``: what is all-reduced and what all-gathered, per axis."""
+        out: dict[tuple[str, tuple[str, ...]], int] = {}
+        for (_, bits), (_, via, axes) in zip(self.messages, self.routes, strict=True):
+            out[via, axes] = out.get((via, axes), 0) + bits
+        return out
 
     @property
     def compression_ratio(self) -> float:
@@ -86,13 +99,19 @@ def communication(
         step = jax.vmap(step, axis_name=name)
     with recording() as log:
         jax.eval_shape(step, batched)
-    messages, seen = [], set()
+    messages, routes, seen = [], [], set()
     for owner, sent in log:
         if owner is not None and owner in seen:
             continue  # the same transformation traced again (e.g. by MultiSteps)
         seen.add(owner)
         messages.extend(sent)
-    dense = sum(32 * int(np.prod(s.shape)) for s in jax.tree.leaves(shapes))
+        routes.extend(sent.routes)
+    dense = sum(
+        8 * np.dtype(s.dtype).itemsize * int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)
+    )
     return CommunicationReport(
-        bits_per_worker=sum(b for _, b in messages), dense_bits=dense, messages=tuple(messages)
+        bits_per_worker=sum(b for _, b in messages),
+        dense_bits=dense,
+        messages=tuple(messages),
+        routes=tuple(routes),
     )

@@ -50,7 +50,9 @@ def recording() -> Iterator[list[tuple[object, list[tuple[str, int]]]]]:
     ``(kind, bits)`` pairs; a round is one call of an update marked with
     :func:`exchange_round` (``owner`` identifies the transformation), and a
     collective called outside any round forms a round of its own
-    (``owner=None``).
+    (``owner=None``).  Each round's list also has ``routes``: ``(kind, via,
+    axes)`` of every message, ``via`` the collective that carries it
+    (:data:`ROUTES`) and ``axes`` the mesh axes it crosses.
     """
     log: list = []
     token = _LOG.set(log)
@@ -67,7 +69,7 @@ def exchange_round(owner: object) -> Iterator[None]:
     if log is None:
         yield
         return
-    messages: list[tuple[str, int]] = []
+    messages = _Round()
     log.append((owner, messages))
     token = _ROUND.set(messages)
     try:
@@ -89,22 +91,42 @@ def unrecorded() -> Iterator[None]:
         _QUIET.reset(token)
 
 
-def record(what: str, message) -> None:
+#: The collectives a message can travel by (``record``'s ``via``).
+ROUTES = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
+
+
+class _Round(list):
+    """One round's ``(kind, bits)`` messages, with their ``routes`` alongside."""
+
+    def __init__(self):
+        super().__init__()
+        self.routes: list[tuple[str, str, tuple[str, ...]]] = []
+
+
+def record(what: str, message, via: str, axis_name: AxisName) -> None:
     """Log that this worker sends ``message`` (an array or payload) in this round.
 
     Every function here records what it sends; a transformation that builds a
     message of its own (and sends it with :func:`all_gather` or :func:`psum`)
     records it with this.
+
+    Args:
+      what: the message's kind (``"payload"``, ``"flag"``, ...).
+      message: what this worker puts in the collective.
+      via: the collective, one of :data:`ROUTES` (a ``pmax`` is an all-reduce).
+      axis_name: the axes it crosses.
     """
     log = _LOG.get()
     if log is None or _QUIET.get():
         return
-    entry = (what, wire_bits(message))
+    if via not in ROUTES:
+        raise ValueError(f"via must be one of {ROUTES}, got {via!r}")
     current = _ROUND.get()
     if current is None:
-        log.append((None, [entry]))
-    else:
-        current.append(entry)
+        current = _Round()
+        log.append((None, current))
+    current.append((what, wire_bits(message)))
+    current.routes.append((what, via, _names(axis_name)))
 
 
 def _names(axis_name: AxisName) -> tuple[str, ...]:
@@ -305,13 +327,13 @@ def sign_vote(x: jax.Array, axis_name: AxisName, via: str = "all_gather") -> jax
     flat = x.reshape(-1)
     if via == "psum":
         votes = jnp.sign(flat).astype(_vote_dtype(n))
-        record("votes", votes)
+        record("votes", votes, "all_reduce", axis_name)
         total = psum(votes, axis_name) if axis_name is not None else votes
         return jnp.sign(total).astype(x.dtype).reshape(x.shape)
     if via == "scatter_gather" and axis_name is not None:
         return _sign_vote_shards(flat, axis_name, n).astype(x.dtype).reshape(x.shape)
     bits = packing.pack((flat < 0).astype(jnp.uint32), 1)
-    record("signs", bits)
+    record("signs", bits, "all_gather", axis_name)
     gathered = all_gather(bits, axis_name) if axis_name is not None else bits[None]
     unpacked = jax.vmap(lambda b: packing.unpack(b, 1, flat.shape[0]))(gathered)
     total = jnp.sum(1 - 2 * unpacked.astype(jnp.int32), axis=0)
@@ -338,14 +360,14 @@ def _sign_vote_shards(flat: jax.Array, axis_name: AxisName, n: int) -> jax.Array
     m = -(-d // n)
     shards = jnp.pad(flat < 0, (0, n * m - d)).reshape(n, m).astype(jnp.uint32)
     packed = jax.vmap(lambda s: packing.pack(s, 1))(shards)
-    record("scatter", packed)
+    record("scatter", packed, "all_to_all", axis_name)
     received = all_to_all(packed, axis_name)
     negative = jax.vmap(lambda b: packing.unpack(b, 1, m))(received).astype(jnp.int32)
     vote = jnp.sign(jnp.sum(1 - 2 * negative, axis=0))
     width = 1 if n % 2 else 2
     codes = (vote < 0) if width == 1 else vote + 1
     outcome = packing.pack(codes.astype(jnp.uint32), width)
-    record("gather", outcome)
+    record("gather", outcome, "all_gather", axis_name)
     everyone = jax.vmap(lambda b: packing.unpack(b, width, m))(all_gather(outcome, axis_name))
     votes = 1 - 2 * everyone.astype(jnp.int32) if width == 1 else everyone.astype(jnp.int32) - 1
     return votes.reshape(-1)[:d]
@@ -360,7 +382,7 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
     """
     n = num_workers(axis_name)
     ints = codes.astype(_vote_dtype(n))
-    record("ternaries", ints)
+    record("ternaries", ints, "all_reduce", axis_name)
     total = psum(ints, axis_name) if axis_name is not None else ints
     return scale * total.astype(jnp.float32) / n
 
@@ -368,11 +390,11 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
 def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:
     """Whether ``flag`` is true on any worker (an 8-bit ``pmax``)."""
     flag = flag.astype(jnp.int8)
-    record("flag", flag)
+    record("flag", flag, "all_reduce", axis_name)
     return (pmax(flag, axis_name) if axis_name is not None else flag) > 0
 
 
 def shared_max(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Maximum over workers (for scalers every worker must share)."""
-    record("scaler", x)
+    record("scaler", x, "all_reduce", axis_name)
     return pmax(x, axis_name) if axis_name is not None else x

@@ -198,7 +198,7 @@ def compressed_mean(
     n = num_workers(axis_name)
     if n == 1:
         payload = comp.compress(key, x)
-        record("payload", payload)
+        record("payload", payload, "all_reduce" if comp.linear else "all_gather", axis_name)
         local = comp.decompress(payload)
         return Exchanged(mean=local, local=local, memory=memory)
     if fast:
@@ -236,11 +236,11 @@ def _gathered(comp, key, x, names, n):
     """All-gather (or, for a linear compressor, psum): ``(sum over workers, own decoded)``."""
     if comp.linear:
         payload = comp.compress(key, x)
-        record("payload", payload)
+        record("payload", payload, "all_reduce", names)
         summed = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
         return comp.decompress(summed).astype(jnp.float32), comp.decompress(payload)
     payload = comp.compress(collectives.worker_key(key, names), x)
-    record("payload", payload)
+    record("payload", payload, "all_gather", names)
     total = decoded_sum(comp, collectives.all_gather(payload, names), n)
     return total, comp.decompress(payload)
 
@@ -281,12 +281,12 @@ def _scatter_gather(comp, key, flat, memory, names, n):
     # turned a batched top-k into a step 8x slower (make bench-net; 1.7 s against 0.05 s
     # for 2 shards of 2^21 entries).
     payloads = jax.lax.optimization_barrier(payloads)
-    record("scatter", payloads)
+    record("scatter", payloads, "all_to_all", names)
     own = jax.vmap(comp.decompress)(payloads).astype(jnp.float32).reshape(-1)[:d]
     mine = decoded_sum(comp, collectives.all_to_all(payloads, names), n)
     target = mine if memory is None else mine + _block(memory, me, n).astype(jnp.float32)
     second = comp.compress(jax.random.fold_in(second_key, me), target.astype(flat.dtype))
-    record("gather", second)
+    record("gather", second, "all_gather", names)
     sent = comp.decompress(second).astype(jnp.float32)
     gathered = collectives.all_gather(second, names)
     total = jax.vmap(comp.decompress)(gathered).astype(jnp.float32).reshape(-1)[:d]
@@ -302,7 +302,7 @@ def _hierarchical(comp, key, x, memory, slow, fast, kind):
     n_fast = num_workers(fast)
     m = math.ceil(d / n_fast)
     padded = _pad(flat, n_fast * m)
-    record("fast_reduce_scatter", padded)
+    record("fast_reduce_scatter", padded, "reduce_scatter", fast)
     group = collectives.psum_scatter(padded, fast)  # this worker's shard, summed over ``fast``
     k = worker_index(fast)
     inner_key = jax.random.fold_in(key, k)  # distinct per shard; shared along ``slow``
@@ -314,7 +314,7 @@ def _hierarchical(comp, key, x, memory, slow, fast, kind):
         shard_local, inner_memory = inner.local, inner.memory
     else:
         shard_total, shard_local = group.astype(jnp.float32), group
-    record("fast_all_gather", shard_total.astype(x.dtype))
+    record("fast_all_gather", shard_total.astype(x.dtype), "all_gather", fast)
     total = collectives.all_gather_tiled(shard_total, fast)[:d]
     local = flat.astype(jnp.float32) - _place(
         group.astype(jnp.float32) - shard_local.astype(jnp.float32), k, n_fast, d

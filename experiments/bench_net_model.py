@@ -149,10 +149,10 @@ def bf16_allreduce(axis_name) -> optax.GradientTransformation:
         d, n = flat.size, collectives.num_workers(axis_name)
         m = -(-d // n)
         shards = as_bits(jnp.pad(flat.astype(jnp.bfloat16), (0, n * m - d)).reshape(n, m))
-        collectives.record("scatter", shards)
+        collectives.record("scatter", shards, "all_to_all", axis_name)
         received = as_bf16(collectives.all_to_all(shards, axis_name))
         own = as_bits(jnp.sum(received.astype(jnp.float32), axis=0).astype(jnp.bfloat16))
-        collectives.record("gather", own)
+        collectives.record("gather", own, "all_gather", axis_name)
         total = as_bf16(collectives.all_gather_tiled(own, axis_name)[:d])
         return unravel(total.astype(flat.dtype) / n), state
 

@@ -30,7 +30,7 @@ _F32 = jnp.float32
 
 def _gather(kind: str, x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Send ``x`` to every site; all sites' ``x`` stacked on a leading axis."""
-    record(kind, x)
+    record(kind, x, "all_gather", axis_name)
     return x[None] if axis_name is None else all_gather(x, axis_name)
 
 
@@ -53,7 +53,7 @@ def _mean_others(
     out = {}
     for i in others:
         g = got.grads[i].astype(_F32)
-        record("dense", g)
+        record("dense", g, "all_reduce", axis_name)
         total = g if axis_name is None else psum(g, axis_name)
         out[i] = (total / n).astype(got.grads[i].dtype)
     return out
@@ -305,7 +305,7 @@ def rank_dad_grads(
         factors.append((p, q))
         own_ranks.append(_effective_rank(s, rtol))
     own = jnp.stack(own_ranks)
-    record("ranks", own)
+    record("ranks", own, "all_reduce", axis_name)
     agreed = own if axis_name is None else pmax(own, axis_name)
     for i, (layer, (p, q)) in enumerate(zip(got.layers, factors, strict=True)):
         keep = (jnp.arange(p.shape[1]) < agreed[i]).astype(_F32)

@@ -118,7 +118,7 @@ def _dense(g, u, opts: _Options, n: int):
     dropped, so nothing is stale and ``u`` is not masked.
     """
     u, v = _accumulate(g, u, jnp.zeros_like(g), opts)
-    collectives.record("dense", v)
+    collectives.record("dense", v, "all_reduce", opts.axis_name)
     total = collectives.psum(v, opts.axis_name) if opts.axis_name is not None else v
     return (total / n).astype(g.dtype), u
 
@@ -152,7 +152,7 @@ def _sparse(v, u, ratio, step, opts: _Options, n: int):
     payload = Payload(
         wire={"indices": sel.indices, "values": values}, side={}, meta=(v.shape, v.dtype)
     )
-    collectives.record("payload", payload)
+    collectives.record("payload", payload, "all_gather", opts.axis_name)
     wire = _gather(payload, opts.axis_name).wire
     total = jnp.zeros((d,), jnp.float32).at[wire["indices"].reshape(-1)]
     total = total.add(wire["values"].reshape(-1).astype(jnp.float32), mode="drop")

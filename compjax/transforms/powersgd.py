@@ -165,17 +165,17 @@ def powersgd(
         return PowerSGDState(count=jnp.zeros([], jnp.int32), error=leaves.worker_state(), q=q)
 
     def dense_mean(g, n):
-        record("dense", g.astype(jnp.float32))
+        record("dense", g.astype(jnp.float32), "all_reduce", axis_name)
         return (psum(g.astype(jnp.float32), axis_name) / n).astype(g.dtype)
 
     def low_rank(g, e, q, n):
         rows, cols = matrix_view(g.shape, channels_last)
         m = g.reshape(rows, cols).astype(jnp.float32) + e.reshape(rows, cols)
         p = m @ q
-        record("P", p)
+        record("P", p, "all_reduce", axis_name)
         p = orthogonalize(psum(p, axis_name), orthogonalization_epsilon)
         q_new = m.T @ p
-        record("Q", q_new)
+        record("Q", q_new, "all_reduce", axis_name)
         q_new = psum(q_new, axis_name) / n
         approx = p @ q_new.T
         return approx.reshape(g.shape).astype(g.dtype), (m - approx).reshape(e.shape), q_new

@@ -406,7 +406,7 @@ def variance_based(
             r_acc = (r + m).reshape(-1)
             v_acc = (v + s).reshape(-1)
             payload, idx, q, send = _vb_encode(r_acc, v_acc, alpha, slots)
-            record("payload", payload)
+            record("payload", payload, "all_gather", axis_name)
             indices, values = jax.vmap(functools.partial(_vb_decode, slots=slots))(
                 _gather(payload, axis_name).wire
             )
@@ -510,7 +510,7 @@ def strom_threshold(
                 side={},
                 meta=((d,), np.dtype(np.float32)),
             )
-            record("payload", payload)
+            record("payload", payload, "all_gather", axis_name)
             wire = _gather(payload, axis_name).wire
             signs = jax.vmap(functools.partial(packing.unpack, width=1, n=slots))(wire["signs"])
             values = jnp.where(signs == 1, jnp.float32(-tau), jnp.float32(tau))
