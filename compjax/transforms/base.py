@@ -28,6 +28,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax.flatten_util import ravel_pytree
 
 from compjax.collectives import any_worker, check_worker_local, exchange_round
@@ -79,7 +81,26 @@ def state_specs(state: Any, axis_name) -> Any:
     split = jax.P(axis_name)
     replicated = jax.P()
 
+    def per_worker_grads(leaf):
+        if not np.shape(leaf):
+            raise ValueError(
+                "state_specs: optax.MultiSteps accumulates each worker's own gradient "
+                "(acc_grads), which shard_map can only split along a leading axis: a scalar "
+                "parameter has none (give it shape (1,))"
+            )
+        return split
+
     def spec(node):
+        if isinstance(node, optax.MultiStepsState):
+            # acc_grads holds each worker's own sum of gradients, the params' shape on every
+            # worker: split along its first axis (globally n times the params' first axis).
+            return node._replace(
+                mini_step=replicated,
+                gradient_step=replicated,
+                inner_opt_state=state_specs(node.inner_opt_state, axis_name),
+                acc_grads=jax.tree.map(per_worker_grads, node.acc_grads),
+                skip_state=jax.tree.map(lambda _: replicated, node.skip_state),
+            )
         if is_marked(node):
             fields = [
                 jax.tree.map(lambda _, s=split if f in node.PER_WORKER else replicated: s, v)
@@ -88,7 +109,10 @@ def state_specs(state: Any, axis_name) -> Any:
             return type(node)(*fields)
         return replicated
 
-    return jax.tree.map(spec, state, is_leaf=is_marked)
+    def stop(node):
+        return is_marked(node) or isinstance(node, optax.MultiStepsState)
+
+    return jax.tree.map(spec, state, is_leaf=stop)
 
 
 class Leaves:
