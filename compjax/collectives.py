@@ -215,7 +215,7 @@ def check_worker_local(arrays, axis_name: AxisName) -> None:
             )
         return
     for leaf in arrays:
-        varying = jax.typeof(leaf).manual_axis_type.varying
+        varying = _varying(leaf)
         missing = [a for a in names if a not in varying]
         if missing:
             raise ValueError(
@@ -388,10 +388,24 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
 
 
 def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:
-    """Whether ``flag`` is true on any worker (an 8-bit ``pmax``)."""
+    """Whether ``flag`` is true on any worker (an 8-bit ``pmax``).
+
+    On a mesh with other axes (a ``"model"`` axis sharding the parameters)
+    the flag is also reduced over the axes it varies over, so every shard of
+    every worker takes the same decision (one step for the whole model).
+    """
     flag = flag.astype(jnp.int8)
     record("flag", flag, "all_reduce", axis_name)
-    return (pmax(flag, axis_name) if axis_name is not None else flag) > 0
+    if axis_name is None:
+        return flag > 0
+    names = _names(axis_name)
+    extra = tuple(sorted(_varying(flag) - set(names)))
+    return pmax(flag, names + extra) > 0
+
+
+def _varying(x: jax.Array) -> set[str]:
+    """The manual mesh axes ``x`` varies over (empty outside ``shard_map``'s typing)."""
+    return set(jax.typeof(x).manual_axis_type.varying)
 
 
 def shared_max(x: jax.Array, axis_name: AxisName) -> jax.Array:

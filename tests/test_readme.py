@@ -2,6 +2,8 @@
 
 import pathlib
 
+import jax
+
 from compjax import table
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
@@ -37,3 +39,14 @@ def test_readme_scaling_example_runs():
     report, d = namespace["report"], 512 * 256 + 256
     assert report.fast_bits == 32 * 5 * (d // 4)  # reduce-scatter 4 shards, gather 1, float32
     assert 0 < report.slow_bits < report.fast_bits / 10
+
+
+def test_readme_model_sharded_example_runs():
+    text = README.read_text()
+    section = text.split("### Model-sharded parameters", 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    namespace = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    params = namespace["params"]
+    assert params["w"].sharding.spec == namespace["P"](None, "model")
+    assert not bool(jax.numpy.allclose(params["w"], 0.1))  # it stepped

@@ -62,7 +62,7 @@ def is_marked(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(type(node), "PER_WORKER")
 
 
-def state_specs(state: Any, axis_name) -> Any:
+def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
     """``PartitionSpec``s of an optimizer state for ``jax.shard_map``.
 
     Per-worker fields of compjax states get ``P(axis_name)`` (their leading
@@ -70,9 +70,17 @@ def state_specs(state: Any, axis_name) -> Any:
     (replicated).  Works through ``optax.chain``, ``inject_hyperparams``,
     ``MultiSteps`` and any other container.
 
+    With ``param_specs`` (the params' own specs, for parameters sharded over
+    other mesh axes, e.g. ``{"w": P(None, "model")}``), every state field
+    laid out like the params follows them: a per-worker field gets
+    ``P(axis_name, *spec)`` (the worker axis, then the parameter's own
+    sharding), a shared one the parameter's ``spec``.
+
     Args:
       state: the state, or its shapes (``jax.eval_shape(opt.init, params)``).
       axis_name: the data-parallel axis (a name or a tuple of names).
+      param_specs: ``None`` (parameters replicated over every other axis), or
+        a pytree of ``PartitionSpec`` with the params' structure.
 
     Returns:
       A pytree of ``PartitionSpec`` with the state's structure, usable as
@@ -80,6 +88,15 @@ def state_specs(state: Any, axis_name) -> Any:
     """
     split = jax.P(axis_name)
     replicated = jax.P()
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    layout = None if param_specs is None else jax.tree.structure(param_specs, is_leaf=is_spec)
+
+    def field_specs(value, per_worker: bool):
+        if layout is not None and jax.tree.structure(value) == layout:
+            leaves = jax.tree.leaves(param_specs, is_leaf=is_spec)
+            specs = [jax.P(axis_name, *s) if per_worker else s for s in leaves]
+            return jax.tree.unflatten(layout, specs)
+        return jax.tree.map(lambda _: split if per_worker else replicated, value)
 
     def per_worker_grads(leaf):
         if not np.shape(leaf):
@@ -97,13 +114,13 @@ def state_specs(state: Any, axis_name) -> Any:
             return node._replace(
                 mini_step=replicated,
                 gradient_step=replicated,
-                inner_opt_state=state_specs(node.inner_opt_state, axis_name),
+                inner_opt_state=state_specs(node.inner_opt_state, axis_name, param_specs),
                 acc_grads=jax.tree.map(per_worker_grads, node.acc_grads),
                 skip_state=jax.tree.map(lambda _: replicated, node.skip_state),
             )
         if is_marked(node):
             fields = [
-                jax.tree.map(lambda _, s=split if f in node.PER_WORKER else replicated: s, v)
+                field_specs(v, f in node.PER_WORKER)
                 for f, v in zip(node._fields, node, strict=True)
             ]
             return type(node)(*fields)
