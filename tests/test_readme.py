@@ -1,4 +1,4 @@
-"""The README tells the truth: its compressor table is the generated one."""
+"""The README tells the truth: its compressor table is the generated one, its examples run."""
 
 import pathlib
 
@@ -9,6 +9,15 @@ from compjax import table
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
+def run_example(heading: str) -> dict:
+    """Execute the first python block after ``heading``; its namespace."""
+    section = README.read_text().split(heading, 1)[1]
+    code = section.split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    return namespace
+
+
 def test_readme_table_is_generated_from_metadata():
     text = README.read_text()
     block = text.split(table.START, 1)[1].split(table.END, 1)[0].strip()
@@ -16,37 +25,22 @@ def test_readme_table_is_generated_from_metadata():
 
 
 def test_readme_usage_example_runs():
-    text = README.read_text()
-    code = text.split("## Usage", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})
+    run_example("## Usage")
 
 
 def test_readme_shard_map_training_step_runs():
-    text = README.read_text()
-    section = text.split("### A complete shard_map training step", 1)[1]
-    code = section.split("```python", 1)[1].split("```", 1)[0]
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    namespace = run_example("### A complete shard_map training step")
     assert float(namespace["loss"]) < 2.0  # below log(10): it trained
 
 
 def test_readme_scaling_example_runs():
-    text = README.read_text()
-    section = text.split("## Scaling", 1)[1]
-    code = section.split("```python", 1)[1].split("```", 1)[0]
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
-    report, d = namespace["report"], 512 * 256 + 256
+    report, d = run_example("## Scaling")["report"], 512 * 256 + 256
     assert report.fast_bits == 32 * 5 * (d // 4)  # reduce-scatter 4 shards, gather 1, float32
     assert 0 < report.slow_bits < report.fast_bits / 10
 
 
 def test_readme_model_sharded_example_runs():
-    text = README.read_text()
-    section = text.split("### Model-sharded parameters", 1)[1]
-    code = section.split("```python", 1)[1].split("```", 1)[0]
-    namespace = {}
-    exec(compile(code, "README.md", "exec"), namespace)
+    namespace = run_example("### Model-sharded parameters")
     params = namespace["params"]
     assert params["w"].sharding.spec == namespace["P"](None, "model")
     assert not bool(jax.numpy.allclose(params["w"], 0.1))  # it stepped
