@@ -20,6 +20,7 @@ from compjax.compressors.terngrad import terngrad, terngrad_omega
 from compjax.dad import dad_communication, dad_grads, rank_dad_grads
 from compjax.exchange import Exchange, compressed_mean, hierarchical
 from compjax.payload import Payload, wire_bits
+from compjax.step import DataParallel, data_parallel
 from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
 from compjax.transforms.dgc import DGCState, dgc
@@ -45,6 +46,7 @@ __all__ = [
     "CompressState",
     "Compressor",
     "DGCState",
+    "DataParallel",
     "DianaState",
     "EF21State",
     "ErrorFeedbackState",
@@ -66,6 +68,7 @@ __all__ = [
     "compressed_mean",
     "dad_communication",
     "dad_grads",
+    "data_parallel",
     "dgc",
     "diana",
     "ef21",

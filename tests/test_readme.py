@@ -44,3 +44,9 @@ def test_readme_model_sharded_example_runs():
     params = namespace["params"]
     assert params["w"].sharding.spec == namespace["P"](None, "model")
     assert not bool(jax.numpy.allclose(params["w"], 0.1))  # it stepped
+
+
+def test_readme_jit_example_runs():
+    namespace = run_example("### `jax.jit` with sharded arrays")
+    assert float(namespace["value"]) == 1.0  # the loss at zero params on ones
+    assert not bool(jax.numpy.allclose(namespace["params"]["b"], 0.0))  # it stepped
