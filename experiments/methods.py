@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -214,7 +215,9 @@ class _Builder:
                 compressor=kwargs.get("compressor"),
             )
         known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS})
-        raise self.error(node, f"unknown method {name!r}; one of {known}")
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise self.error(node, f"unknown method {name!r}{hint}; one of {known}")
 
 
 def _with_axis(factory: Callable, kwargs: dict, axis_name):

@@ -9,6 +9,7 @@ the data term's gradient is compressed (as DIANA's proximal step does).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Callable
 
 import flax.linen as nn
@@ -130,7 +131,9 @@ TASKS: dict[str, Task] = {
 def get(name: str) -> Task:
     """The task called ``name``."""
     if name not in TASKS:
-        raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}")
+        close = difflib.get_close_matches(str(name), TASKS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {name!r}{hint}")
     return TASKS[name]
 
 

@@ -42,6 +42,7 @@ import functools
 import hashlib
 import json
 import platform
+import sys
 import time
 import tomllib
 from collections.abc import Sequence
@@ -552,8 +553,16 @@ def load(path: Path | str) -> Run:
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+    names = sorted({*methods.COMPRESSORS, *methods.WITH_COMPRESSOR, *methods.WITH_AXIS})
+    epilog = (
+        f"tasks: {', '.join(sorted(tasks.TASKS))}.  methods (--method, an expression such as "
+        f'"ef(top_k(ratio=0.01))"): dense(), {", ".join(names)}, '
+        f"{', '.join(g for g in methods.GRADIENTS if g != 'dense')}."
+    )
     parser = argparse.ArgumentParser(
-        prog="python -m experiments.train", description=__doc__.split("\n\n")[0]
+        prog="python -m experiments.train",
+        description=__doc__.split("\n\n")[0],
+        epilog=epilog,
     )
     parser.add_argument("--config", type=Path, help="a JSON or TOML file of Config fields")
     for field in dataclasses.fields(Config):
@@ -561,8 +570,13 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
         kind = {"int": int, "float": float, "str": str}.get(
             str(field.type).split(" ")[0].replace("None", "").strip("| "), str
         )
+        default = "the task's" if field.default is None else repr(field.default)
         parser.add_argument(
-            flag, dest=field.name, type=kind, default=None, help=f"Config.{field.name}"
+            flag,
+            dest=field.name,
+            type=kind,
+            default=None,
+            help=f"Config.{field.name} (default: {default})",
         )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory")
     parser.add_argument("--fresh", action="store_true", help="ignore existing results")
@@ -582,9 +596,29 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
 
 
 def main(argv: Sequence[str] | None = None) -> Run:
+    """The command line: a bad task, method or field is one line on stderr (exit 2);
+    Ctrl-C says how to resume (exit 130); a finished run read back says so."""
     cfg, args = _parse_args(argv)
-    result = run(cfg, args.out, fresh=args.fresh, progress=not args.no_progress)
+    try:
+        resolved = cfg.resolved()
+    except ValueError as err:
+        print(f"python -m experiments.train: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    path = resolved.run_dir(Path(args.out))
+    finished = not args.fresh and (path / "summary.json").exists()
+    try:
+        result = run(cfg, args.out, fresh=args.fresh, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        every = max(resolved.checkpoint_every, resolved.eval_every)
+        print(
+            f"\ninterrupted: {path} keeps a checkpoint every {every} steps; run the same "
+            "command again to resume from the last one (add --fresh to start over)",
+            file=sys.stderr,
+        )
+        raise SystemExit(130) from None
     final = result.final
+    if finished:
+        print("read back the finished run (nothing trained; --fresh trains it again):")
     print(f"{result.path}")
     print(
         "  "

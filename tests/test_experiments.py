@@ -191,6 +191,54 @@ def test_cli_with_a_config_file_writes_every_output(tmp_path, capsys):
     assert result.records[1]["bits"] == expected["rank_dad"]
 
 
+def test_cli_reads_a_finished_run_back_and_says_so(tmp_path, capsys):
+    args = ["--task", "logreg", "--steps", "2", "--eval-every", "2", "--out", str(tmp_path)]
+    args.append("--no-progress")
+    first = train.main(args)
+    assert "read back" not in capsys.readouterr().out
+    again = train.main(args)
+    assert again.path == first.path
+    assert "read back the finished run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "hint"),
+    [
+        (["--method", "top_kk(ratio=0.1)"], "did you mean 'top_k'?"),
+        (["--task", "digit_mlp"], "did you mean 'digits_mlp'?"),
+        (["--workers", "0"], "workers"),
+    ],
+)
+def test_cli_bad_input_is_one_line(args, hint, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*args, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and hint in err and "Traceback" not in err
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_cli_help_lists_tasks_methods_and_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in tasks.TASKS)
+    assert all(name in text for name in ("ef21", "top_k", "powersgd", "rank_dad", "dense()"))
+    assert "(default: 200)" in text  # checkpoint_every
+
+
+def test_cli_interrupt_says_how_to_resume(monkeypatch, tmp_path, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--task", "logreg", "--out", str(tmp_path)])
+    assert exit_.value.code == 130
+    assert "run the same command again to resume" in capsys.readouterr().err
+
+
 def test_variance_based_logs_the_real_bits_not_the_padding(tmp_path):
     cfg = train.Config(
         task="logreg_sgd", method="variance_based(alpha=1.0, budget=1.0)", workers=2, steps=6,
