@@ -17,8 +17,8 @@ What is measured, all in one run:
   bfloat16 cast (a psum of bf16);
 * **traffic**: the namespace's loopback ``tx_bytes`` around the timed steps
   (every byte any process sends crosses it once), per worker and step;
-* **prediction**: :func:`experiments.costmodel.predicted_step` on a
-  :class:`experiments.costmodel.SharedMedium` (the token bucket is one link
+* **prediction**: :func:`compjax.costmodel.predicted_step` on a
+  :class:`compjax.costmodel.SharedMedium` (the token bucket is one link
   all processes share) from the step measured without a limit (compute plus
   codec) and the collectives of the compiled step
   (:mod:`experiments.bench_net_report`).

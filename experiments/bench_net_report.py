@@ -36,7 +36,8 @@ import statistics
 
 import numpy as np
 
-from experiments import costmodel, netns
+from compjax import costmodel
+from experiments import netns
 
 SPEEDUP_GOAL = 2.0
 GOAL_RATE, GOAL_WORKERS = "1gbit", 4

@@ -44,7 +44,8 @@ import jax
 import numpy as np
 
 import compjax
-from experiments import costmodel, methods, netns
+from compjax import costmodel
+from experiments import methods, netns
 from experiments.bench_net_model import METHODS, BenchMethod, LMConfig, init_params, loss_fn
 from experiments.bench_net_model import tokens as make_tokens
 
@@ -86,7 +87,7 @@ def hlo_collectives(text: str, workers: int) -> list[dict]:
 
     Returns ``{"op", "collective", "dtypes", "bits"}`` per collective op, in
     program order; ``bits`` is the per-worker message in
-    :func:`experiments.costmodel.wire_bits`'s convention: the output of an
+    :func:`compjax.costmodel.wire_bits`'s convention: the output of an
     all-reduce, an all-to-all or a permute, the output over ``workers`` for an
     all-gather, the output times ``workers`` for a reduce-scatter (every
     collective here spans the whole 1-D mesh).  ``*-done`` halves of async

@@ -58,8 +58,9 @@ from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 import compjax
+from compjax import costmodel
 from compjax.collectives import recording
-from experiments import costmodel, data, methods, models, tasks
+from experiments import data, methods, models, tasks
 
 P = jax.P
 AXIS = "data"
@@ -144,9 +145,7 @@ def code_version() -> str:
     """A hash of the sources a run depends on: ``compjax/`` and the harness modules."""
     here = Path(__file__).parent
     files = sorted(here.parent.joinpath("compjax").rglob("*.py"))
-    files += [
-        here / f"{m}.py" for m in ("train", "tasks", "data", "models", "methods", "costmodel")
-    ]
+    files += [here / f"{m}.py" for m in ("train", "tasks", "data", "models", "methods")]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())

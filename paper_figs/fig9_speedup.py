@@ -3,7 +3,7 @@
 In the style of TernGrad's performance model (Wen et al., NeurIPS 2017,
 Section 5): the step time of data-parallel training is compute plus
 communication, communication follows the alpha-beta model of ring
-collectives (:mod:`experiments.costmodel`), and a compressed method adds its
+collectives (:mod:`compjax.costmodel`), and a compressed method adds its
 compress + decompress time.  Agarwal et al. (MLSys 2022) found that gradient
 compression gave a real speedup in only 6 of 200+ setups; this figure says
 where, in the model, compression stops paying.
@@ -44,7 +44,6 @@ import math
 import os
 import pathlib
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +51,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import compjax
-from experiments import costmodel, methods, train
+from compjax import costmodel
+from compjax.advise import median_seconds
+from experiments import methods, train
 from paper_figs import common
 
 NAME = "fig9_speedup"
@@ -170,20 +171,14 @@ def codec_seconds(spec: str, shape=TIMING_SHAPE, runs: int = 3, seed: int = 0) -
     g = jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * np.float32(1e-3))
     state = tx.init(g)
     update = jax.jit(lambda g, s: tx.update(g, s, g))
-    jax.block_until_ready(update(g, state))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(update(g, state))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return median_seconds(lambda: update(g, state), runs)
 
 
 # --- the model ------------------------------------------------------------------------------
 
 
 def speedup(bandwidth_gbps, workers, dense_bits, reduced, gathered, overhead_s, compute_s):
-    """``experiments.costmodel.speedup`` at one bandwidth."""
+    """``compjax.costmodel.speedup`` at one bandwidth."""
     network = costmodel.Network(float(bandwidth_gbps), LATENCY_US)
     return costmodel.speedup(compute_s, dense_bits, reduced, gathered, overhead_s, workers, network)
 
@@ -413,7 +408,7 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
         "all-gather by `experiments.methods.parse(spec).gathered(kind)`; codec time of the "
         f"method's transformation with `axis_name=None` on one {TIMING_SHAPE[0]}×"
         f"{TIMING_SHAPE[1]} float32 gradient, jitted, median of {repeats()} runs after a "
-        f"warm-up, minus dense's; `experiments.costmodel` (ring all-reduce "
+        f"warm-up, minus dense's; `compjax.costmodel` (ring all-reduce "
         f"2(n−1)α + 2(n−1)/n·b/β, all-gather (n−1)(α + b/β), one fused message of each kind "
         f"per step, α = {LATENCY_US:g} µs), no overlap of compute and communication; "
         f"assumed compute {COMPUTE_S} s per step (ResNet-50 forward + backward at batch 32 "

@@ -12,14 +12,8 @@ import numpy as np
 import pytest
 
 import compjax
-from experiments import (
-    bench_net,
-    bench_net_model,
-    bench_net_report,
-    bench_net_worker,
-    costmodel,
-    netns,
-)
+from compjax import costmodel
+from experiments import bench_net, bench_net_model, bench_net_report, bench_net_worker, netns
 
 
 def test_namespace_commands():

@@ -13,7 +13,8 @@ import optax
 import pytest
 
 import compjax
-from experiments import costmodel, data, methods, tasks, train
+from compjax import costmodel
+from experiments import data, methods, tasks, train
 
 # --- method expressions --------------------------------------------------------
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 import compjax
-from experiments import costmodel, methods
+from compjax import costmodel
+from experiments import methods
 from paper_figs import fig9_speedup as fig
 
 
