@@ -5,7 +5,7 @@ Compressors are immutable values built by the factories below; each has
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 """
 
-from compjax import collectives, exchange
+from compjax import collectives, exchange, nnx
 from compjax.accounting import CommunicationReport, communication
 from compjax.collectives import worker_params
 from compjax.compressor import Compressor
@@ -77,6 +77,7 @@ __all__ = [
     "hierarchical",
     "identity",
     "natural",
+    "nnx",
     "per_example_grads",
     "powersgd",
     "qsgd",

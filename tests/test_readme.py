@@ -50,3 +50,10 @@ def test_readme_jit_example_runs():
     namespace = run_example("### `jax.jit` with sharded arrays")
     assert float(namespace["value"]) == 1.0  # the loss at zero params on ones
     assert not bool(jax.numpy.allclose(namespace["params"]["b"], 0.0))  # it stepped
+
+
+def test_readme_nnx_example_runs():
+    namespace = run_example("### Flax NNX")
+    assert float(namespace["loss"]) < 0.3  # it trained (the loss starts near 0.5)
+    error = namespace["optimizer"].opt_state[0].error
+    assert jax.tree.leaves(error)[0].shape[0] == 8  # one error memory per worker

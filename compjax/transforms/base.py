@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 from compjax.collectives import any_worker, check_worker_local, exchange_round
@@ -58,6 +59,10 @@ def init_key(seed: int) -> jax.Array:
     return raw_key(jax.random.key(seed))
 
 
+# The variable metadata in which compjax.nnx.optimizer records each optimizer-state leaf's spec.
+NNX_SPEC = "compjax_spec"
+
+
 def is_marked(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(type(node), "PER_WORKER")
 
@@ -69,6 +74,11 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
     worker axis is split across workers); everything else ``P()``
     (replicated).  Works through ``optax.chain``, ``inject_hyperparams``,
     ``MultiSteps`` and any other container.
+
+    Flax NNX: in an ``nnx.State`` (of an optimizer built by
+    :func:`compjax.nnx.optimizer`, alone or split together with its model)
+    each optimizer-state variable gives the spec it was laid out with, and
+    every other variable (the model's params, the step count) ``P()``.
 
     With ``param_specs`` (the params' own specs, for parameters sharded over
     other mesh axes, e.g. ``{"w": P(None, "model")}``), every state field
@@ -85,6 +95,11 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
     Returns:
       A pytree of ``PartitionSpec`` with the state's structure, usable as
       ``in_specs``/``out_specs`` of ``jax.shard_map``.
+
+    Raises:
+      ValueError: an ``nnx.State`` holds the state of an ``nnx.Optimizer``
+        that was not built by :func:`compjax.nnx.optimizer` (its per-worker
+        fields cannot be told apart).
     """
     split = jax.P(axis_name)
     replicated = jax.P()
@@ -107,7 +122,22 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
             )
         return split
 
+    def variable_spec(var: nnx.Variable):
+        if not isinstance(var, nnx.OptArray | nnx.OptVariable):
+            return replicated
+        recorded = var.get_metadata().get(NNX_SPEC)
+        if recorded is None:
+            raise ValueError(
+                "state_specs: this nnx.State holds the state of an nnx.Optimizer built "
+                "directly, whose per-worker fields nnx.state no longer marks (and whose "
+                "tx.init ran outside shard_map); build it with compjax.nnx.optimizer(model, "
+                "tx, mesh, axis_name, wrt=...)"
+            )
+        return recorded
+
     def spec(node):
+        if isinstance(node, nnx.Variable):
+            return variable_spec(node)
         if isinstance(node, optax.MultiStepsState):
             # acc_grads holds each worker's own sum of gradients, the params' shape on every
             # worker: split along its first axis (globally n times the params' first axis).
@@ -127,7 +157,7 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
         return replicated
 
     def stop(node):
-        return is_marked(node) or isinstance(node, optax.MultiStepsState)
+        return is_marked(node) or isinstance(node, optax.MultiStepsState | nnx.Variable)
 
     return jax.tree.map(spec, state, is_leaf=stop)
 
