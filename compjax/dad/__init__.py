@@ -1,4 +1,4 @@
-"""Distributed auto-differentiation (dAD) and rank-dAD for flax linen models.
+"""Distributed auto-differentiation (dAD) and rank-dAD for flax linen and NNX models.
 
 A linear layer's gradient over a batch is ``A^T Delta``: a sum of outer
 products of its inputs ``A`` (``rows x in``) and the backpropagated output
@@ -19,17 +19,19 @@ are identical on every site and feed any optax optimizer):
   global batch split across sites, with a clear error if it does not divide.
 
 Capture (see :mod:`compjax.dad.capture`): ``flax.linen.intercept_methods``
-wraps every ``nn.Dense`` and ``nn.DenseGeneral`` called inside ``loss_fn``,
-recording its input and adding a zero perturbation to its output; the
+wraps every ``nn.Dense`` and ``nn.DenseGeneral`` called inside ``loss_fn``
+(and ``nnx.Linear.__call__`` is swapped for the trace, NNX having no method
+interception), recording its input and adding a zero perturbation to its output; the
 gradient with respect to the perturbations is ``Delta``.  Layers applied to
 sequences (transformer projections, ``MultiHeadDotProductAttention``'s
 ``DenseGeneral`` q/k/v/out) flatten every non-contracted axis into rows.
 
 Limits:
 
-* flax linen only (``nnx.Linear`` has no method interception; not covered);
-* only exactly ``nn.Dense`` and ``nn.DenseGeneral`` (no subclasses, no
-  ``batch_dims``, no custom ``dot_general``) are rebuilt from ``A`` and
+* only exactly ``nn.Dense``, ``nn.DenseGeneral`` and ``nnx.Linear`` (no
+  subclasses, no ``batch_dims``, no custom ``dot_general``; an NNX model is
+  built inside ``loss_fn`` by ``nnx.merge`` from ``params``, and each
+  ``Linear`` is found by its kernel) are rebuilt from ``A`` and
   ``Delta``; every other leaf (norms, embeddings, convolutions) goes through
   an ordinary mean, or a compjax compressor;
 * layers inside flax lifted transforms (``nn.scan``, ``nn.remat``,

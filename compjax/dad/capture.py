@@ -2,7 +2,11 @@
 
 Mechanism: :func:`flax.linen.intercept_methods` wraps the ``__call__`` of
 every :class:`flax.linen.Dense` and :class:`flax.linen.DenseGeneral` applied
-inside the user's ``loss_fn``.  The interceptor
+inside the user's ``loss_fn``.  Flax NNX has no method interception, so for
+the duration of each trace ``flax.nnx.Linear.__call__`` is replaced by one
+that hands the call to the same interceptor (and put back on exit, errors
+included); an NNX layer is located in ``params`` by its kernel, the very
+array of ``params`` that ``nnx.merge`` placed in the layer.  The interceptor
 
 1. records the layer's input, flattened to ``A`` of shape ``(rows, in)``
    (``rows`` = every non-contracted axis: batch, sequence, ...; ``in`` = the
@@ -18,18 +22,20 @@ FLOPs, trace time only).  A layer's kernel gradient is ``A^T Delta`` (summed
 over every call of a layer used more than once) and its bias gradient the
 column sums of ``Delta``.
 
-Limits (documented in :mod:`compjax.dad`): only exactly ``nn.Dense`` and
-``nn.DenseGeneral`` without ``batch_dims`` and without a custom
-``dot_general`` are captured (everything else, subclasses included, is a
-"non-Dense" parameter); ``loss_fn`` must apply the same layers in the same
-order on every trace; layers inside flax lifted transforms (``nn.scan``,
-``nn.remat``, ``nn.vmap``, ``nn.jit``) cannot be captured; and a Dense kernel
-must reach the loss only through its layer (no L2 term on it inside
-``loss_fn``: use ``optax.add_decayed_weights``).
+Limits (documented in :mod:`compjax.dad`): only exactly ``nn.Dense``,
+``nn.DenseGeneral`` without ``batch_dims`` and ``nnx.Linear``, each without
+a custom ``dot_general`` (or, for NNX, ``promote_dtype``), are captured
+(everything else, subclasses included, is a "non-Dense" parameter);
+``loss_fn`` must apply the same layers in the same order on every trace;
+layers inside flax lifted transforms (``nn.scan``, ``nn.remat``,
+``nn.vmap``, ``nn.jit``) cannot be captured; and a Dense kernel must reach
+the loss only through its layer (no L2 term on it inside ``loss_fn``: use
+``optax.add_decayed_weights``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
@@ -38,7 +44,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.core import tracers
+from flax.nnx.nn import dtypes as nnx_dtypes
 
 from compjax.collectives import AxisName, worker_params
 
@@ -50,7 +58,8 @@ class Call:
     """One application of a Dense layer (static, from the abstract trace).
 
     Attributes:
-      path: the flax module path of the layer.
+      path: the flax module path of the layer (linen), or the path of its
+        kernel in ``params`` without the final ``"kernel"`` (NNX).
       kernel_shape: the shape of its kernel.
       num_contracted: how many leading kernel axes are contracted with the input.
       rows: rows of ``A`` and ``Delta`` (product of the non-contracted axes).
@@ -58,7 +67,7 @@ class Call:
       dtype: the dtype of the layer's output (and of ``Delta``).
     """
 
-    path: tuple[str, ...]
+    path: tuple
     kernel_shape: tuple[int, ...]
     num_contracted: int
     rows: int
@@ -117,41 +126,108 @@ def _contracted(module: nn.Module, ndim: int) -> tuple[int, ...]:
     return tuple(sorted(ax % ndim for ax in _as_tuple(module.axis)))
 
 
-class _Interceptor:
-    """Records ``A`` of each Dense call and adds the perturbations (if given) to its output."""
+def _captured_nnx(module: nnx.Module) -> bool:
+    """Exactly ``nnx.Linear`` with the default ``dot_general`` and ``promote_dtype``."""
+    return (
+        type(module) is nnx.Linear
+        and module.dot_general is jax.lax.dot_general
+        and module.promote_dtype is nnx_dtypes.promote_dtype
+    )
 
-    def __init__(self, perturbations: list | None = None):
+
+def _kernel_paths(params: Any) -> dict[int, tuple]:
+    """``id`` of each ``"kernel"`` leaf of ``params`` -> its path without ``"kernel"``."""
+    leaves = jax.tree.leaves(params)
+    return {
+        id(leaves[i]): path[:-1]
+        for path, i in leaf_paths(params).items()
+        if path[-1:] == ("kernel",)
+    }
+
+
+class _Interceptor:
+    """Records ``A`` of each Dense call and adds the perturbations (if given) to its output.
+
+    Args:
+      params: the parameters ``loss_fn`` is traced with (NNX layers are
+        found among them by their kernel).
+      perturbations: one zero array per call to add to its output, or
+        ``None`` (discovery).
+    """
+
+    def __init__(self, params: Any, perturbations: list | None = None):
         self.perturbations = perturbations
+        self.kernels = _kernel_paths(params)
         self.calls: list[Call] = []
         self.inputs: list[jax.Array] = []
         self.trace = tracers.current_trace()  # create inside the traced function
 
     def __call__(self, next_fun, args, kwargs, context):
+        """The linen interceptor (:func:`flax.linen.intercept_methods`)."""
         module = context.module
         if context.method_name != "__call__" or not _captured(module):
             return next_fun(*args, **kwargs)
+        inputs = jnp.asarray(args[0] if args else kwargs["inputs"])
+        self._check_trace("/".join(module.path))
+        axes = _contracted(module, inputs.ndim)
+        y = next_fun(*args, **kwargs)
+        return self._record(tuple(module.path), inputs, y, axes, module.use_bias)
+
+    def nnx_call(self, call: Callable, module: nnx.Module, args, kwargs):
+        """``call(module, *args, **kwargs)`` of an ``nnx.Linear``, recorded if captured."""
+        if not _captured_nnx(module):
+            return call(module, *args, **kwargs)
+        inputs = jnp.asarray(args[0] if args else kwargs["inputs"])
+        path = self.kernels.get(id(module.kernel[...]))
+        if path is None:
+            raise ValueError(
+                f"an nnx.Linear layer (kernel shape {module.kernel.shape}) is applied whose "
+                f"kernel is not among the differentiated params: loss_fn must build the model "
+                f"from params, e.g. nnx.merge(graphdef, params, rest), with every Linear "
+                f"layer's kernel in params"
+            )
+        self._check_trace("/".join(map(str, path)))
+        y = call(module, *args, **kwargs)
+        return self._record(path, inputs, y, (inputs.ndim - 1,), module.use_bias)
+
+    def _check_trace(self, name: str) -> None:
         if tracers.current_trace() != self.trace:
             raise ValueError(
-                f"the Dense layer {'/'.join(module.path)} is applied inside a transformation "
+                f"the Dense layer {name} is applied inside a transformation "
                 f"within loss_fn (a flax lifted transform such as nn.remat, nn.scan, nn.vmap, "
                 f"nn.jit, or jax.jit / jax.vmap / jax.checkpoint around model.apply): dAD cannot "
                 f"capture its inputs and deltas there; apply the model directly in loss_fn and "
                 f"jit the whole step"
             )
-        inputs = jnp.asarray(args[0] if args else kwargs["inputs"])
-        y = next_fun(*args, **kwargs)
-        axes = _contracted(module, inputs.ndim)
+
+    def _record(self, path: tuple, inputs, y, axes: tuple[int, ...], use_bias: bool):
         kept = inputs.ndim - len(axes)
         a = jnp.moveaxis(inputs, axes, tuple(range(kept, inputs.ndim)))
         kernel_shape = tuple(inputs.shape[ax] for ax in axes) + tuple(y.shape[kept:])
         rows = math.prod(y.shape[:kept])
-        call = Call(tuple(module.path), kernel_shape, len(axes), rows, module.use_bias, y.dtype)
+        call = Call(path, kernel_shape, len(axes), rows, use_bias, y.dtype)
         index = len(self.calls)
         self.calls.append(call)
         self.inputs.append(a.reshape(rows, call.in_features))
         if self.perturbations is None or index >= len(self.perturbations):
             return y  # discovery; or an extra call, reported by _check_same_calls
         return y + self.perturbations[index].reshape(y.shape)
+
+
+@contextlib.contextmanager
+def _intercepting(interceptor: _Interceptor):
+    """Route linen Dense calls and ``nnx.Linear`` calls to ``interceptor`` for the block."""
+    original = nnx.Linear.__call__
+
+    def call(module, *args, **kwargs):
+        return interceptor.nnx_call(original, module, args, kwargs)
+
+    nnx.Linear.__call__ = call
+    try:
+        with nn.intercept_methods(interceptor):
+            yield
+    finally:
+        nnx.Linear.__call__ = original
 
 
 def discover(loss_fn: LossFn, params: Any, batch: Any) -> list[Call]:
@@ -167,8 +243,8 @@ def discover(loss_fn: LossFn, params: Any, batch: Any) -> list[Call]:
     calls = []
 
     def traced(p, b):
-        interceptor = _Interceptor()
-        with nn.intercept_methods(interceptor):
+        interceptor = _Interceptor(p)
+        with _intercepting(interceptor):
             out = loss_fn(p, b)
         calls.extend(interceptor.calls)
         return out
@@ -197,7 +273,7 @@ def _locate(call: Call, paths: dict[tuple, int], shapes: list) -> tuple[int, int
         if k is not None and tuple(shapes[k]) == call.kernel_shape:
             return k, paths.get((*prefix, "bias")) if call.use_bias else None
     raise ValueError(
-        f"the Dense layer at module path {'/'.join(call.path) or '(root)'} (kernel shape "
+        f"the Dense layer at module path {'/'.join(map(str, call.path)) or '(root)'} (kernel shape "
         f"{call.kernel_shape}) is not among the differentiated params: pass params so that "
         f"loss_fn applies the model with them (either the variables {{'params': ...}} or the "
         f"'params' collection itself), including every Dense layer's kernel"
@@ -231,7 +307,7 @@ def group_layers(calls: list[Call], params: Any) -> list[Layer]:
         first = calls[idx[0]]
         layers.append(
             Layer(
-                name="/".join(first.path),
+                name="/".join(map(str, first.path)),
                 kernel=k,
                 bias=bias[k],
                 calls=tuple(idx),
@@ -293,8 +369,8 @@ def capture(
     layers = group_layers(calls, params)
 
     def perturbed(p, perturbations):
-        interceptor = _Interceptor(perturbations)
-        with nn.intercept_methods(interceptor):
+        interceptor = _Interceptor(p, perturbations)
+        with _intercepting(interceptor):
             out = loss_fn(p, batch)
         _check_same_calls(calls, interceptor.calls)
         loss, aux = out if has_aux else (out, None)
