@@ -120,3 +120,41 @@ def test_two_processes_match_one(distributed, reference):
     for key in sorted(reference):
         assert distributed[key].dtype == reference[key].dtype, key
         np.testing.assert_allclose(distributed[key], reference[key], rtol=1e-6, err_msg=key)
+
+
+DEAD_PEER_WORKER = Path(__file__).with_name("dead_peer_worker.py")
+HEARTBEAT_S = 5
+
+
+@pytest.mark.slow
+def test_a_dead_peer_aborts_the_survivor_within_the_heartbeat_timeout(tmp_path):
+    """With ``heartbeat_timeout_seconds=5`` the survivor aborts seconds after its peer dies.
+
+    (With JAX's default of 100 s it would block in the collective that long.)
+    """
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    workers = []
+    for i in range(2):
+        log = tmp_path / f"worker{i}.log"
+        cmd = [sys.executable, str(DEAD_PEER_WORKER), "--process-id", str(i), "--port", str(port)]
+        with log.open("wb") as f:
+            proc = subprocess.Popen(
+                [*cmd, "--heartbeat", str(HEARTBEAT_S)], stdout=f, stderr=subprocess.STDOUT, env=env
+            )
+        workers.append((proc, log))
+    survivor = workers[0][0]
+    try:
+        survivor.wait(timeout=TIMEOUT_S)
+        ended = time.time()
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the survivor still runs after {TIMEOUT_S} s\n{report(workers)}")
+    finally:
+        kill_all(workers)
+    died = [line for line in workers[1][1].read_text().splitlines() if line.startswith("dying at")]
+    assert died, report(workers)
+    assert survivor.returncode != 0, report(workers)  # aborted, not completed
+    assert "second step completed" not in workers[0][1].read_text()
+    elapsed = ended - float(died[0].split()[-1])
+    assert 0 < elapsed < 4 * HEARTBEAT_S, f"survivor ended {elapsed:.1f} s after its peer died"
