@@ -41,7 +41,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import platform
+import signal
 import sys
 import time
 import tomllib
@@ -514,7 +516,9 @@ def _save(path: Path, step: int, params, opt_state, records) -> None:
     tmp = path / "checkpoint.msgpack.tmp"
     tmp.write_bytes(serialization.msgpack_serialize(state))
     tmp.replace(path / "checkpoint.msgpack")
+    crash_point(f"checkpoint-saved@{step}")
     _write_metrics(path, records)
+    crash_point(f"metrics-saved@{step}")
 
 
 def _restore(path: Path, problem: _Problem, params, opt_state):
@@ -536,11 +540,29 @@ def _read_jsonl(file: Path) -> list[dict]:
 def _write_metrics(path: Path, records: Sequence[dict]) -> None:
     """``metrics.jsonl`` (one JSON object per row) and ``metrics.csv`` (blank where absent)."""
     lines = "".join(json.dumps(r) + "\n" for r in records)
-    (path / "metrics.jsonl").write_text(lines)
+    with (path / "metrics.jsonl").open("w") as out:
+        middle = len(lines) // 2
+        out.write(lines[:middle])
+        out.flush()
+        crash_point(f"metrics-mid-write@{records[-1]['step']}")
+        out.write(lines[middle:])
     keys = list(dict.fromkeys(k for r in records for k in r))
     rows = [",".join(keys)]
     rows += [",".join("" if k not in r else repr(r[k]) for k in keys) for r in records]
     (path / "metrics.csv").write_text("\n".join(rows) + "\n")
+
+
+CRASH_AT = "EXPERIMENTS_CRASH_AT"
+
+
+def crash_point(point: str) -> None:
+    """Test seam: SIGKILL this process here if ``$EXPERIMENTS_CRASH_AT`` names ``point``.
+
+    ``point`` is ``<where>@<step>``, e.g. ``checkpoint-saved@4``; the crash
+    tests in ``tests/test_experiments_crash.py`` kill a run this way.
+    """
+    if os.environ.get(CRASH_AT) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def load(path: Path | str) -> Run:
