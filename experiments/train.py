@@ -30,7 +30,9 @@ A run writes ``results/<task>/<method>-w<workers>-s<seed>-<hash>/``:
 * ``checkpoint.msgpack`` every ``checkpoint_every`` steps: a run started
   again with the same config resumes from it and gives the same numbers as
   an uninterrupted one (batches and compressor keys depend only on the seed
-  and the step);
+  and the step).  Every file is written atomically and the logs before the
+  checkpoint, which a resume cuts them back to (:mod:`experiments.runlog`),
+  so a run killed at any instant resumes to the records of an unkilled one;
 * ``summary.json`` when finished; running a finished config again only reads it.
 """
 
@@ -41,9 +43,7 @@ import dataclasses
 import functools
 import hashlib
 import json
-import os
 import platform
-import signal
 import sys
 import time
 import tomllib
@@ -55,14 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import serialization
 from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 import compjax
 from compjax import costmodel
 from compjax.collectives import recording
-from experiments import data, methods, models, tasks
+from experiments import data, methods, models, runlog, tasks
 
 P = jax.P
 AXIS = "data"
@@ -147,7 +146,7 @@ def code_version() -> str:
     """A hash of the sources a run depends on: ``compjax/`` and the harness modules."""
     here = Path(__file__).parent
     files = sorted(here.parent.joinpath("compjax").rglob("*.py"))
-    files += [here / f"{m}.py" for m in ("train", "tasks", "data", "models", "methods")]
+    files += [here / f"{m}.py" for m in ("train", "runlog", "tasks", "data", "models", "methods")]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.read_bytes())
@@ -417,6 +416,9 @@ def run(
     if not fresh and (path / "summary.json").exists():
         return load(path)
     path.mkdir(parents=True, exist_ok=True)
+    if fresh:  # an old checkpoint or summary must not outlive the logs this run rewrites
+        for name in (runlog.CHECKPOINT, "summary.json"):
+            (path / name).unlink(missing_ok=True)
     problem = _Problem(cfg)
     plan = problem.bits_plan()
     steady_reduced, steady_gathered = problem.split(plan["steady"])
@@ -434,7 +436,7 @@ def run(
         "jax": jax.__version__,
         "machine": platform.machine(),
     }
-    (path / "config.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
+    runlog.write_json(path / "config.json", info)
 
     param_sharding = NamedSharding(problem.mesh, P())
     data_sharding = NamedSharding(problem.mesh, P(AXIS))
@@ -443,9 +445,8 @@ def run(
     params = jax.device_put(problem.params, param_sharding)
     opt_state = problem.init_state(params)
     start, records = 0, []
-    checkpoint = path / "checkpoint.msgpack"
-    if not fresh and checkpoint.exists():
-        start, params, opt_state, records = _restore(path, problem, params, opt_state)
+    if (path / runlog.CHECKPOINT).exists():
+        start, params, opt_state, records = runlog.restore(path, params, opt_state)
     chunk = problem.chunk_fn()
     evaluate = problem.eval_fn()
     if start == 0:
@@ -493,14 +494,13 @@ def run(
             bar.set_postfix(loss=f"{records[-1]['objective']:.4g}")
             every = max(cfg.checkpoint_every, cfg.eval_every)
             if start % every < length or start == stop:
-                _save(path, start, params, opt_state, records)
+                runlog.save(path, start, params, opt_state, records)
     info["wall_s"] = time.perf_counter() - began
     if start < cfg.steps:
         return Run(path, cfg, info, records)
-    _write_metrics(path, records)
-    (path / "config.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
-    summary = {"final": records[-1], "wall_s": info["wall_s"]}
-    (path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    runlog.write_metrics(path, records)
+    runlog.write_json(path / "config.json", info)
+    runlog.write_json(path / "summary.json", {"final": records[-1], "wall_s": info["wall_s"]})
     return Run(path, cfg, info, records)
 
 
@@ -508,69 +508,12 @@ def _floats(tree: dict) -> dict[str, float]:
     return {k: float(v) for k, v in tree.items()}
 
 
-def _save(path: Path, step: int, params, opt_state, records) -> None:
-    """Write the checkpoint (params, optimizer state, step) and the metrics so far, atomically."""
-    state = serialization.to_state_dict(
-        {"step": step, "params": jax.device_get(params), "opt_state": jax.device_get(opt_state)}
-    )
-    tmp = path / "checkpoint.msgpack.tmp"
-    tmp.write_bytes(serialization.msgpack_serialize(state))
-    tmp.replace(path / "checkpoint.msgpack")
-    crash_point(f"checkpoint-saved@{step}")
-    _write_metrics(path, records)
-    crash_point(f"metrics-saved@{step}")
-
-
-def _restore(path: Path, problem: _Problem, params, opt_state):
-    """Load the checkpoint into arrays placed like ``params`` and ``opt_state``."""
-    raw = serialization.msgpack_restore((path / "checkpoint.msgpack").read_bytes())
-    template = {"step": 0, "params": jax.device_get(params), "opt_state": jax.device_get(opt_state)}
-    state = serialization.from_state_dict(template, raw)
-    step = int(state["step"])
-    shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
-    params, opt_state = jax.device_put((state["params"], state["opt_state"]), shardings)
-    records = [r for r in _read_jsonl(path / "metrics.jsonl") if r["step"] <= step]
-    return step, params, opt_state, records
-
-
-def _read_jsonl(file: Path) -> list[dict]:
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-
-
-def _write_metrics(path: Path, records: Sequence[dict]) -> None:
-    """``metrics.jsonl`` (one JSON object per row) and ``metrics.csv`` (blank where absent)."""
-    lines = "".join(json.dumps(r) + "\n" for r in records)
-    with (path / "metrics.jsonl").open("w") as out:
-        middle = len(lines) // 2
-        out.write(lines[:middle])
-        out.flush()
-        crash_point(f"metrics-mid-write@{records[-1]['step']}")
-        out.write(lines[middle:])
-    keys = list(dict.fromkeys(k for r in records for k in r))
-    rows = [",".join(keys)]
-    rows += [",".join("" if k not in r else repr(r[k]) for k in keys) for r in records]
-    (path / "metrics.csv").write_text("\n".join(rows) + "\n")
-
-
-CRASH_AT = "EXPERIMENTS_CRASH_AT"
-
-
-def crash_point(point: str) -> None:
-    """Test seam: SIGKILL this process here if ``$EXPERIMENTS_CRASH_AT`` names ``point``.
-
-    ``point`` is ``<where>@<step>``, e.g. ``checkpoint-saved@4``; the crash
-    tests in ``tests/test_experiments_crash.py`` kill a run this way.
-    """
-    if os.environ.get(CRASH_AT) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def load(path: Path | str) -> Run:
     """Read a finished run from its directory."""
     path = Path(path)
     info = json.loads((path / "config.json").read_text())
     cfg = Config(**info["config"])
-    return Run(path, cfg, info, _read_jsonl(path / "metrics.jsonl"))
+    return Run(path, cfg, info, runlog.read_records(path))
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
