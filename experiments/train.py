@@ -18,7 +18,9 @@ transformation exchanges it; the optimizer that follows is
 A run writes ``results/<task>/<method>-w<workers>-s<seed>-<hash>/``:
 
 * ``config.json``: the resolved config, the parameter count, the bits per
-  step and how they travel, the machine;
+  step and how they travel, the machine, and ``dropped_examples``: the
+  training examples left out so that every worker's shard has the same size
+  (``len(train) % workers`` of them; a warning names them too);
 * ``metrics.jsonl`` and ``metrics.csv``: one row per step with the workers'
   mean minibatch ``loss`` and ``accuracy``, ``bits`` sent per worker (from
   the payloads; real bits for variance-based and Strom's methods),
@@ -40,16 +42,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import hashlib
 import json
+import logging
 import platform
 import sys
 import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -62,95 +63,11 @@ import compjax
 from compjax import costmodel
 from compjax.collectives import recording
 from experiments import data, methods, models, runlog, tasks
+from experiments.config import RESULTS, Config, code_version, field_types
 
 P = jax.P
 AXIS = "data"
-RESULTS = Path("results")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One training run.  ``None`` fields take the task's defaults.
-
-    Attributes:
-      task: a name in :data:`experiments.tasks.TASKS`.
-      method: a method expression (:mod:`experiments.methods`).
-      workers: data-parallel workers (devices of the mesh).
-      steps: optimizer steps.
-      seed: seeds the initialisation, the data split, the batches and the method.
-      lr: learning rate of the SGD that follows the exchange.
-      momentum: its momentum (0: none).
-      batch_size: examples per worker per step (0: the whole shard).
-      eval_every: steps between evaluations (and the length of one jitted scan).
-      checkpoint_every: steps between checkpoints (rounded up to ``eval_every``).
-      bandwidth_gbps: link bandwidth of the cost model.
-      latency_us: per-message latency of the cost model.
-    """
-
-    task: str = "digits_mlp"
-    method: str = "dense()"
-    workers: int = 8
-    steps: int | None = None
-    seed: int = 0
-    lr: float | None = None
-    momentum: float = 0.0
-    batch_size: int | None = None
-    eval_every: int = 10
-    checkpoint_every: int = 200
-    bandwidth_gbps: float = 10.0
-    latency_us: float = 5.0
-
-    def resolved(self) -> Config:
-        """Task defaults filled in, every field checked (``ValueError`` naming it)."""
-        task = tasks.get(self.task)
-        methods.parse(self.method)
-        cfg = dataclasses.replace(
-            self,
-            steps=task.steps if self.steps is None else self.steps,
-            lr=task.lr if self.lr is None else self.lr,
-            batch_size=(task.batch_size or 0) if self.batch_size is None else self.batch_size,
-        )
-        for name, least in (("workers", 1), ("steps", 1), ("eval_every", 1)):
-            value = getattr(cfg, name)
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if not isinstance(cfg.batch_size, int) or cfg.batch_size < 0:
-            raise ValueError(f"batch_size must be an integer >= 0, got {cfg.batch_size!r}")
-        if not cfg.lr > 0:
-            raise ValueError(f"lr must be > 0, got {cfg.lr}")
-        if not 0 <= cfg.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {cfg.momentum}")
-        if cfg.workers > len(jax.devices()):
-            raise ValueError(
-                f"workers={cfg.workers} exceeds the {len(jax.devices())} devices; on a CPU set "
-                "XLA_FLAGS=--xla_force_host_platform_device_count before importing jax"
-            )
-        costmodel.Network(cfg.bandwidth_gbps, cfg.latency_us)
-        return cfg
-
-    def run_dir(self, root: Path = RESULTS) -> Path:
-        """``root/<task>/<method>-w<workers>-s<seed>-<hash>``.
-
-        The hash covers the resolved config and :func:`code_version`, so a
-        change to the library or the harness never reads back stale results.
-        """
-        cfg = self.resolved()
-        text = json.dumps(dataclasses.asdict(cfg), sort_keys=True) + code_version()
-        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-        name = f"{methods.slug(cfg.method)}-w{cfg.workers}-s{cfg.seed}-{digest}"
-        return Path(root) / cfg.task / name
-
-
-@functools.cache
-def code_version() -> str:
-    """A hash of the sources a run depends on: ``compjax/`` and the harness modules."""
-    here = Path(__file__).parent
-    files = sorted(here.parent.joinpath("compjax").rglob("*.py"))
-    files += [here / f"{m}.py" for m in ("train", "runlog", "tasks", "data", "models", "methods")]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:12]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -187,6 +104,9 @@ class _Problem:
         self.dataset = self.task.dataset(n, cfg.seed)
         self.x, self.y = data.worker_shards(self.dataset.train, n, self.dataset.partition, cfg.seed)
         self.shard_size = self.x.shape[1]
+        self.dropped = data.dropped_examples(
+            self.dataset.train, n, self.dataset.partition, cfg.seed
+        )
         self.batch = cfg.batch_size or self.shard_size
         if self.batch > self.shard_size:
             raise ValueError(
@@ -430,6 +350,7 @@ def run(
         "steady_bits": {"allreduce": steady_reduced, "allgather": steady_gathered},
         "messages": plan["steady"],
         "shard_size": problem.shard_size,
+        "dropped_examples": problem.dropped.tolist(),
         "batch_size": problem.batch,
         "devices": [str(d) for d in problem.mesh.devices.flat],
         "code_version": code_version(),
@@ -437,6 +358,17 @@ def run(
         "machine": platform.machine(),
     }
     runlog.write_json(path / "config.json", info)
+    if len(problem.dropped):
+        log.warning(
+            "%s: %d training examples over %d workers: %d each, the %d left over are dropped "
+            "(train-split indices %s; config.json's dropped_examples)",
+            cfg.task,
+            len(problem.dataset.train),
+            cfg.workers,
+            problem.shard_size,
+            len(problem.dropped),
+            problem.dropped.tolist(),
+        )
 
     param_sharding = NamedSharding(problem.mesh, P())
     data_sharding = NamedSharding(problem.mesh, P(AXIS))
@@ -516,6 +448,37 @@ def load(path: Path | str) -> Run:
     return Run(path, cfg, info, runlog.read_records(path))
 
 
+PROG = "python -m experiments.train"
+
+
+def _fail(message: str) -> NoReturn:
+    """A command-line error: one line on stderr, exit code 2, no traceback."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors (a bad flag or value) as one line, like the harness's own."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(message)
+
+
+def _read_config(file: Path) -> dict[str, Any]:
+    """The Config fields in a JSON or TOML file; an unreadable or malformed file is one line."""
+    try:
+        text = file.read_text()
+        values = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        _fail(f"--config {file}: {err}")
+    if not isinstance(values, dict):
+        _fail(f"--config {file}: expected an object of Config fields, got {type(values).__name__}")
+    unknown = set(values) - set(field_types())
+    if unknown:
+        _fail(f"--config {file}: unknown config fields {sorted(unknown)}")
+    return values
+
+
 def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     names = sorted({*methods.COMPRESSORS, *methods.WITH_COMPRESSOR, *methods.WITH_AXIS})
     epilog = (
@@ -523,20 +486,13 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
         f'"ef(top_k(ratio=0.01))"): dense(), {", ".join(names)}, '
         f"{', '.join(g for g in methods.GRADIENTS if g != 'dense')}."
     )
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.train",
-        description=__doc__.split("\n\n")[0],
-        epilog=epilog,
-    )
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=epilog)
     parser.add_argument("--config", type=Path, help="a JSON or TOML file of Config fields")
     for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str}.get(
-            str(field.type).split(" ")[0].replace("None", "").strip("| "), str
-        )
+        kind = next(k for k in field_types()[field.name] if k is not type(None))
         default = "the task's" if field.default is None else repr(field.default)
         parser.add_argument(
-            flag,
+            "--" + field.name.replace("_", "-"),
             dest=field.name,
             type=kind,
             default=None,
@@ -546,13 +502,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
     parser.add_argument("--fresh", action="store_true", help="ignore existing results")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    values: dict[str, Any] = {}
-    if args.config is not None:
-        text = args.config.read_text()
-        values = tomllib.loads(text) if args.config.suffix == ".toml" else json.loads(text)
-        unknown = set(values) - {f.name for f in dataclasses.fields(Config)}
-        if unknown:
-            parser.error(f"unknown config fields {sorted(unknown)}")
+    values = {} if args.config is None else _read_config(args.config)
     for field in dataclasses.fields(Config):
         if getattr(args, field.name) is not None:
             values[field.name] = getattr(args, field.name)
@@ -560,14 +510,14 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
 
 
 def main(argv: Sequence[str] | None = None) -> Run:
-    """The command line: a bad task, method or field is one line on stderr (exit 2);
-    Ctrl-C says how to resume (exit 130); a finished run read back says so."""
+    """The command line: a bad task, method, field or config file is one line on stderr
+    (exit 2) and writes nothing; Ctrl-C says how to resume (exit 130); a finished run read
+    back says so."""
     cfg, args = _parse_args(argv)
     try:
         resolved = cfg.resolved()
-    except ValueError as err:
-        print(f"python -m experiments.train: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (TypeError, ValueError) as err:  # Config.resolved's checks, each naming the field
+        _fail(str(err))
     path = resolved.run_dir(Path(args.out))
     finished = not args.fresh and (path / "summary.json").exists()
     try:
