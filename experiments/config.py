@@ -154,7 +154,7 @@ def code_version() -> str:
     """A hash of the sources a run depends on: ``compjax/`` and the harness modules."""
     here = Path(__file__).parent
     files = sorted(here.parent.joinpath("compjax").rglob("*.py"))
-    harness = ("train", "config", "runlog", "tasks", "data", "models", "methods")
+    harness = ("train", "config", "problem", "runlog", "tasks", "data", "models", "methods")
     files += [here / f"{m}.py" for m in harness]
     digest = hashlib.sha256()
     for file in files:

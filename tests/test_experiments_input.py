@@ -121,7 +121,7 @@ def test_a_run_over_workers_that_do_not_divide_the_data_says_what_it_drops(tmp_p
     cfg = train.Config(task="logreg", workers=7, steps=1, eval_every=1)
     with caplog.at_level(logging.WARNING, logger="experiments.train"):
         result = train.run(cfg, tmp_path, progress=False)
-    problem = train._Problem(result.config)
+    problem = train.Problem(result.config)
     train_size = len(problem.dataset.train)
     dropped = result.info["dropped_examples"]
     assert len(dropped) == train_size % 7 == train_size - 7 * result.info["shard_size"] > 0
