@@ -53,6 +53,10 @@ AXIS = "data"
 P = jax.P
 BATCHES = 4  # distinct batches per worker, cycled
 INIT_TIMEOUT_S = 120
+#: A process silent this long is declared dead and the others fail, rather than block
+#: for JAX's default of 100 s on a peer that died.  Heartbeats are tiny: a throttled link
+#: or a loaded CPU delays them by well under a second.
+HEARTBEAT_TIMEOUT_S = 20
 
 # -- the compiled exchange ------------------------------------------------------------------
 _OPS = {
@@ -328,19 +332,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def join(address: str, num_processes: int, process_id: int) -> None:
+    """``jax.distributed.initialize`` on the loopback job, with a short heartbeat timeout."""
+    jax.distributed.initialize(
+        address,
+        num_processes=num_processes,
+        process_id=process_id,
+        coordinator_bind_address=address,
+        initialization_timeout=INIT_TIMEOUT_S,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    )
+
+
 def main(argv=None) -> None:
     """Join the loopback job and run; on an error print it and exit at once (no hang)."""
     args = parse_args(argv)
     address = f"127.0.0.1:{args.port}"
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", 1)
-    jax.distributed.initialize(
-        address,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-        coordinator_bind_address=address,
-        initialization_timeout=INIT_TIMEOUT_S,
-    )
+    join(address, args.num_processes, args.process_id)
     try:
         config = json.loads(Path(args.config).read_text())
         run(config, args.process_id, args.num_processes, Path(args.out))

@@ -164,22 +164,35 @@ def majority_tokens(
     return Dataset(train=draw(train), test=draw(test), num_classes=vocab)
 
 
+def _dealt(count: int, workers: int, partition: str, seed: int) -> np.ndarray:
+    """The indices :func:`worker_shards` deals, worker by worker: the first ``workers * m``."""
+    if partition not in ("shuffle", "contiguous"):
+        raise ValueError(f"partition must be 'shuffle' or 'contiguous', got {partition!r}")
+    m = count // workers
+    if m == 0:
+        raise ValueError(f"workers={workers} exceeds the {count} training examples")
+    order = np.arange(count)
+    if partition == "shuffle":
+        order = np.random.default_rng(seed).permutation(count)
+    return order[: m * workers]
+
+
 def worker_shards(split: Split, workers: int, partition: str, seed: int = 0):
     """Split the examples among ``workers`` equally: ``(workers, m, ...)`` features and labels.
 
     ``partition="shuffle"`` deals a seeded permutation (i.i.d. shards);
     ``"contiguous"`` gives worker ``i`` the ``i``-th block (data generated
-    per worker).  ``m = len(split) // workers``; the remainder is dropped.
+    per worker).  ``m = len(split) // workers``; the remainder (the
+    :func:`dropped_examples`) is left out, so that every worker's shard has
+    the same size.
     """
-    if partition not in ("shuffle", "contiguous"):
-        raise ValueError(f"partition must be 'shuffle' or 'contiguous', got {partition!r}")
-    m = len(split) // workers
-    if m == 0:
-        raise ValueError(f"workers={workers} exceeds the {len(split)} training examples")
-    order = np.arange(len(split))
-    if partition == "shuffle":
-        order = np.random.default_rng(seed).permutation(len(split))
-    order = order[: m * workers]
-    x = split.x[order].reshape(workers, m, *split.x.shape[1:])
-    y = split.y[order].reshape(workers, m)
+    order = _dealt(len(split), workers, partition, seed)
+    x = split.x[order].reshape(workers, -1, *split.x.shape[1:])
+    y = split.y[order].reshape(workers, -1)
     return x, y
+
+
+def dropped_examples(split: Split, workers: int, partition: str, seed: int = 0) -> np.ndarray:
+    """The sorted indices of ``split`` that :func:`worker_shards` leaves out (``len % workers``)."""
+    kept = _dealt(len(split), workers, partition, seed)
+    return np.setdiff1d(np.arange(len(split)), kept)

@@ -18,7 +18,9 @@ transformation exchanges it; the optimizer that follows is
 A run writes ``results/<task>/<method>-w<workers>-s<seed>-<hash>/``:
 
 * ``config.json``: the resolved config, the parameter count, the bits per
-  step and how they travel, the machine;
+  step and how they travel, the machine, and ``dropped_examples``: the
+  training examples left out so that every worker's shard has the same size
+  (``len(train) % workers`` of them; a warning names them too);
 * ``metrics.jsonl`` and ``metrics.csv``: one row per step with the workers'
   mean minibatch ``loss`` and ``accuracy``, ``bits`` sent per worker (from
   the payloads; real bits for variance-based and Strom's methods),
@@ -30,126 +32,43 @@ A run writes ``results/<task>/<method>-w<workers>-s<seed>-<hash>/``:
 * ``checkpoint.msgpack`` every ``checkpoint_every`` steps: a run started
   again with the same config resumes from it and gives the same numbers as
   an uninterrupted one (batches and compressor keys depend only on the seed
-  and the step);
+  and the step).  Every file is written atomically and the logs before the
+  checkpoint, which a resume cuts them back to (:mod:`experiments.runlog`),
+  so a run killed at any instant resumes to the records of an unkilled one;
 * ``summary.json`` when finished; running a finished config again only reads it.
+
+This module is the run loop and the command line; :mod:`experiments.config`
+holds :class:`Config` and its checks, :mod:`experiments.problem` what a config
+builds (shards, model, jitted steps, bits), :mod:`experiments.runlog` the
+run directory's files.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import hashlib
 import json
+import logging
 import platform
 import sys
 import time
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import serialization
 from jax.sharding import NamedSharding
 from tqdm.auto import tqdm
 
 import compjax
-from compjax import costmodel
-from compjax.collectives import recording
-from experiments import data, methods, models, tasks
+from experiments import methods, runlog, tasks
+from experiments.config import RESULTS, Config, code_version, field_types
+from experiments.problem import AXIS, P, Problem, real_totals
 
-P = jax.P
-AXIS = "data"
-RESULTS = Path("results")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """One training run.  ``None`` fields take the task's defaults.
-
-    Attributes:
-      task: a name in :data:`experiments.tasks.TASKS`.
-      method: a method expression (:mod:`experiments.methods`).
-      workers: data-parallel workers (devices of the mesh).
-      steps: optimizer steps.
-      seed: seeds the initialisation, the data split, the batches and the method.
-      lr: learning rate of the SGD that follows the exchange.
-      momentum: its momentum (0: none).
-      batch_size: examples per worker per step (0: the whole shard).
-      eval_every: steps between evaluations (and the length of one jitted scan).
-      checkpoint_every: steps between checkpoints (rounded up to ``eval_every``).
-      bandwidth_gbps: link bandwidth of the cost model.
-      latency_us: per-message latency of the cost model.
-    """
-
-    task: str = "digits_mlp"
-    method: str = "dense()"
-    workers: int = 8
-    steps: int | None = None
-    seed: int = 0
-    lr: float | None = None
-    momentum: float = 0.0
-    batch_size: int | None = None
-    eval_every: int = 10
-    checkpoint_every: int = 200
-    bandwidth_gbps: float = 10.0
-    latency_us: float = 5.0
-
-    def resolved(self) -> Config:
-        """Task defaults filled in, every field checked (``ValueError`` naming it)."""
-        task = tasks.get(self.task)
-        methods.parse(self.method)
-        cfg = dataclasses.replace(
-            self,
-            steps=task.steps if self.steps is None else self.steps,
-            lr=task.lr if self.lr is None else self.lr,
-            batch_size=(task.batch_size or 0) if self.batch_size is None else self.batch_size,
-        )
-        for name, least in (("workers", 1), ("steps", 1), ("eval_every", 1)):
-            value = getattr(cfg, name)
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        if not isinstance(cfg.batch_size, int) or cfg.batch_size < 0:
-            raise ValueError(f"batch_size must be an integer >= 0, got {cfg.batch_size!r}")
-        if not cfg.lr > 0:
-            raise ValueError(f"lr must be > 0, got {cfg.lr}")
-        if not 0 <= cfg.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {cfg.momentum}")
-        if cfg.workers > len(jax.devices()):
-            raise ValueError(
-                f"workers={cfg.workers} exceeds the {len(jax.devices())} devices; on a CPU set "
-                "XLA_FLAGS=--xla_force_host_platform_device_count before importing jax"
-            )
-        costmodel.Network(cfg.bandwidth_gbps, cfg.latency_us)
-        return cfg
-
-    def run_dir(self, root: Path = RESULTS) -> Path:
-        """``root/<task>/<method>-w<workers>-s<seed>-<hash>``.
-
-        The hash covers the resolved config and :func:`code_version`, so a
-        change to the library or the harness never reads back stale results.
-        """
-        cfg = self.resolved()
-        text = json.dumps(dataclasses.asdict(cfg), sort_keys=True) + code_version()
-        digest = hashlib.sha256(text.encode()).hexdigest()[:8]
-        name = f"{methods.slug(cfg.method)}-w{cfg.workers}-s{cfg.seed}-{digest}"
-        return Path(root) / cfg.task / name
-
-
-@functools.cache
-def code_version() -> str:
-    """A hash of the sources a run depends on: ``compjax/`` and the harness modules."""
-    here = Path(__file__).parent
-    files = sorted(here.parent.joinpath("compjax").rglob("*.py"))
-    files += [here / f"{m}.py" for m in ("train", "tasks", "data", "models", "methods")]
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.read_bytes())
-    return digest.hexdigest()[:12]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -170,223 +89,6 @@ class Run:
     def final(self) -> dict[str, Any]:
         """The last evaluated record."""
         return [r for r in self.records if "test_accuracy" in r][-1]
-
-
-# --- building blocks ---------------------------------------------------------
-
-
-class _Problem:
-    """Everything about a config that does not change during the run."""
-
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.task = tasks.get(cfg.task)
-        self.method = methods.parse(cfg.method)
-        n = cfg.workers
-        self.dataset = self.task.dataset(n, cfg.seed)
-        self.x, self.y = data.worker_shards(self.dataset.train, n, self.dataset.partition, cfg.seed)
-        self.shard_size = self.x.shape[1]
-        self.batch = cfg.batch_size or self.shard_size
-        if self.batch > self.shard_size:
-            raise ValueError(
-                f"batch_size={self.batch} exceeds a worker's {self.shard_size} examples"
-            )
-        self.module = self.task.model(self.dataset.num_classes)
-        init_key, self.data_key = jax.random.split(jax.random.key(cfg.seed))
-        self.params = self.module.init(init_key, jnp.asarray(self.x[0, :1]))["params"]
-        self.loss = tasks.loss_fn(self.module)
-        self.exchange = self.method.build(AXIS)
-        self.opt = self.optimizer(self.exchange)
-        self.mesh = jax.make_mesh((n,), (AXIS,), devices=jax.devices()[:n])
-        self.specs = compjax.state_specs(jax.eval_shape(self.opt.init, self.params), AXIS)
-        self.network = costmodel.Network(cfg.bandwidth_gbps, cfg.latency_us)
-        self.optimum = None
-        if self.task.convex:
-            flat_x = self.x.reshape(-1, *self.x.shape[2:])
-            self.optimum = tasks.optimum(
-                flat_x, self.y.reshape(-1), self.dataset.num_classes, self.task.l2
-            )
-
-    def optimizer(self, exchange: optax.GradientTransformation) -> optax.GradientTransformation:
-        parts = [exchange]
-        if self.task.l2:
-            parts.append(optax.add_decayed_weights(self.task.l2))
-        parts.append(optax.sgd(self.cfg.lr, momentum=self.cfg.momentum or None))
-        return optax.chain(*parts)
-
-    # -- one worker's step (inside shard_map, or vmap for the accounting) --
-
-    def loss_and_accuracy(self, params, batch):
-        x, y = batch
-        logits = self.module.apply({"params": params}, x)
-        return models.cross_entropy(logits, y), models.accuracy(logits, y)
-
-    def local_batch(self, x, y, step):
-        if self.batch == self.shard_size:
-            return x, y
-        key = jax.random.fold_in(jax.random.fold_in(self.data_key, step), _worker(AXIS))
-        idx = jax.random.permutation(key, self.shard_size)[: self.batch]
-        return x[idx], y[idx]
-
-    def gradients(self, params, batch, step):
-        """``(loss, accuracy, grads)`` of this worker, as the method needs them."""
-        kind, opts = self.method.gradients, self.method.options
-        if kind in ("dad", "rank_dad"):
-            key = jax.random.fold_in(jax.random.key(self.cfg.seed + 1), step)
-            fn, extra = compjax.dad_grads, {}
-            if kind == "rank_dad":
-                fn = compjax.rank_dad_grads
-                extra = {"rank": opts["rank"], "iterations": opts.get("iterations", 2)}
-            (loss, acc), grads = fn(
-                self.loss_and_accuracy,
-                params,
-                batch,
-                AXIS,
-                has_aux=True,
-                compressor=opts.get("compressor"),
-                key=key,
-                **extra,
-            )
-            return loss, acc, grads
-        local = compjax.worker_params(params, AXIS)
-        if kind == "per_example":
-            loss, acc = self.loss_and_accuracy(local, batch)
-            grads = compjax.per_example_grads(lambda p, x, y: self.loss(p, (x, y)), local, *batch)
-            return loss, acc, grads
-        (loss, acc), grads = jax.value_and_grad(self.loss_and_accuracy, has_aux=True)(local, batch)
-        return loss, acc, grads
-
-    def local_step(self, params, opt_state, x, y, step, opt=None):
-        opt = self.opt if opt is None else opt
-        loss, acc, grads = self.gradients(params, self.local_batch(x, y, step), step)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, acc
-
-    # -- the jitted pieces --
-
-    def chunk_fn(self):
-        """``(params, state, x, y, steps) -> (params, state, (loss, acc, counters))`` jitted."""
-
-        def chunk(params, opt_state, x, y, steps):
-            x, y = x[0], y[0]
-
-            def body(carry, step):
-                params, opt_state = carry
-                params, opt_state, loss, acc = self.local_step(params, opt_state, x, y, step)
-                out = (
-                    jax.lax.pmean(loss, AXIS),
-                    jax.lax.pmean(acc, AXIS),
-                    _counters(opt_state),
-                )
-                return (params, opt_state), out
-
-            (params, opt_state), out = jax.lax.scan(body, (params, opt_state), steps)
-            return params, opt_state, out
-
-        out_specs = (P(), self.specs, (P(), P(), P(None, None, AXIS)))
-        in_specs = (P(), self.specs, P(AXIS), P(AXIS), P())
-        return jax.jit(jax.shard_map(chunk, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs))
-
-    def init_state(self, params):
-        init = jax.shard_map(self.opt.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs)
-        return jax.jit(init)(params)
-
-    def eval_fn(self):
-        train_x = jnp.asarray(self.x.reshape(-1, *self.x.shape[2:]))
-        train_y = jnp.asarray(self.y.reshape(-1))
-        test_x = jnp.asarray(self.dataset.test.x)
-        test_y = jnp.asarray(self.dataset.test.y)
-        optimum = self.optimum
-        l2 = self.task.l2
-
-        @jax.jit
-        def evaluate(params):
-            train_loss, train_acc = self.loss_and_accuracy(params, (train_x, train_y))
-            test_loss, test_acc = self.loss_and_accuracy(params, (test_x, test_y))
-            out = {
-                "objective": train_loss + tasks.l2_term(params, l2),
-                "train_accuracy": train_acc,
-                "test_loss": test_loss,
-                "test_accuracy": test_acc,
-            }
-            if optimum is not None:
-                diff = jax.tree.map(lambda p, q: p - q.astype(p.dtype), params, optimum)
-                out["dist_to_opt"] = sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(diff))
-            return out
-
-        return evaluate
-
-    # -- bits per step --
-
-    def messages(self, exchange: optax.GradientTransformation) -> list[tuple[str, int]]:
-        """``(kind, bits)`` one worker sends in a step, traced abstractly (nothing runs)."""
-        opt = self.optimizer(exchange)
-        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.params)
-        n = self.cfg.workers
-        xs = jax.ShapeDtypeStruct((n, *self.x.shape[1:]), self.x.dtype)
-        ys = jax.ShapeDtypeStruct((n, *self.y.shape[1:]), self.y.dtype)
-
-        def step(params, x, y):
-            state = opt.init(params)
-            return self.local_step(params, state, x, y, jnp.int32(0), opt=opt)[0]
-
-        with recording() as log:
-            jax.eval_shape(jax.vmap(step, in_axes=(None, 0, 0), axis_name=AXIS), shapes, xs, ys)
-        return [message for _, sent in log for message in sent]
-
-    def split(self, messages) -> tuple[int, int]:
-        """``(all-reduced bits, all-gathered bits)`` of these messages."""
-        gathered = sum(b for kind, b in messages if self.method.gathered(kind))
-        return sum(b for _, b in messages) - gathered, gathered
-
-    def bits_plan(self) -> dict[str, Any]:
-        """The static bits per step: ``steady`` and, where they differ, per-phase schedules."""
-        steady = self.messages(self.exchange)
-        plan = {"steady": steady, "phases": [], "dense_until": 0}
-        opts = self.method.options
-        if self.method.name == "dgc" and opts.get("warmup_steps_per_phase", 0):
-            per = int(opts["warmup_steps_per_phase"])
-            step = 0
-            while (build := self.method.dgc_phase(step)) is not None:
-                plan["phases"].append((step, step + per, self.messages(build(AXIS))))
-                step += per
-        if self.method.name == "powersgd" and opts.get("start_iter", 0):
-            dense = [("dense", 32 * a.size) for a in jax.tree.leaves(self.params)]
-            flags = [m for m in steady if m[0] == "flag"]
-            plan["dense_until"] = int(opts["start_iter"])
-            plan["dense"] = flags + dense
-        return plan
-
-    def step_messages(self, plan, step: int):
-        """Messages of the step that starts at ``step`` (0-based)."""
-        if step < plan["dense_until"]:
-            return plan["dense"]
-        for start, stop, messages in plan["phases"]:
-            if start <= step < stop:
-                return messages
-        return plan["steady"]
-
-
-def _worker(axis):
-    return compjax.collectives.worker_index(axis)
-
-
-def _counted(node) -> bool:
-    return isinstance(node, compjax.VarianceBasedState | compjax.StromState)
-
-
-def _counters(opt_state) -> jax.Array:
-    """The real-bits counters of variance-based / Strom states: ``(nodes, 1, 2)`` uint32."""
-    nodes = [n for n in jax.tree.leaves(opt_state, is_leaf=_counted) if _counted(n)]
-    if not nodes:
-        return jnp.zeros((0, 1, 2), jnp.uint32)
-    return jnp.stack([n.bits_sent for n in nodes])
-
-
-def _real_totals(counters: np.ndarray) -> np.ndarray:
-    """Total real bits over all nodes and workers from ``(steps, nodes, workers, 2)`` counters."""
-    c = counters.astype(np.uint64)
-    return (c[..., 0] + (c[..., 1] << np.uint64(32))).sum(axis=(1, 2)).astype(np.int64)
 
 
 # --- the run -------------------------------------------------------------------
@@ -415,7 +117,10 @@ def run(
     if not fresh and (path / "summary.json").exists():
         return load(path)
     path.mkdir(parents=True, exist_ok=True)
-    problem = _Problem(cfg)
+    if fresh:  # an old checkpoint or summary must not outlive the logs this run rewrites
+        for name in (runlog.CHECKPOINT, "summary.json"):
+            (path / name).unlink(missing_ok=True)
+    problem = Problem(cfg)
     plan = problem.bits_plan()
     steady_reduced, steady_gathered = problem.split(plan["steady"])
     info = {
@@ -426,13 +131,25 @@ def run(
         "steady_bits": {"allreduce": steady_reduced, "allgather": steady_gathered},
         "messages": plan["steady"],
         "shard_size": problem.shard_size,
+        "dropped_examples": problem.dropped.tolist(),
         "batch_size": problem.batch,
         "devices": [str(d) for d in problem.mesh.devices.flat],
         "code_version": code_version(),
         "jax": jax.__version__,
         "machine": platform.machine(),
     }
-    (path / "config.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
+    runlog.write_json(path / "config.json", info)
+    if len(problem.dropped):
+        log.warning(
+            "%s: %d training examples over %d workers: %d each, the %d left over are dropped "
+            "(train-split indices %s; config.json's dropped_examples)",
+            cfg.task,
+            len(problem.dataset.train),
+            cfg.workers,
+            problem.shard_size,
+            len(problem.dropped),
+            problem.dropped.tolist(),
+        )
 
     param_sharding = NamedSharding(problem.mesh, P())
     data_sharding = NamedSharding(problem.mesh, P(AXIS))
@@ -441,9 +158,8 @@ def run(
     params = jax.device_put(problem.params, param_sharding)
     opt_state = problem.init_state(params)
     start, records = 0, []
-    checkpoint = path / "checkpoint.msgpack"
-    if not fresh and checkpoint.exists():
-        start, params, opt_state, records = _restore(path, problem, params, opt_state)
+    if (path / runlog.CHECKPOINT).exists():
+        start, params, opt_state, records = runlog.restore(path, params, opt_state)
     chunk = problem.chunk_fn()
     evaluate = problem.eval_fn()
     if start == 0:
@@ -460,7 +176,7 @@ def run(
             steps = jnp.arange(start, start + length, dtype=jnp.int32)
             params, opt_state, (loss, acc, counters) = chunk(params, opt_state, x, y, steps)
             loss, acc, counters = np.asarray(loss), np.asarray(acc), np.asarray(counters)
-            real = _real_totals(counters) if counters.shape[1] else None
+            real = real_totals(counters) if counters.shape[1] else None
             for j in range(length):
                 step = start + j
                 reduced, gathered = problem.split(problem.step_messages(plan, step))
@@ -491,14 +207,13 @@ def run(
             bar.set_postfix(loss=f"{records[-1]['objective']:.4g}")
             every = max(cfg.checkpoint_every, cfg.eval_every)
             if start % every < length or start == stop:
-                _save(path, start, params, opt_state, records)
+                runlog.save(path, start, params, opt_state, records)
     info["wall_s"] = time.perf_counter() - began
     if start < cfg.steps:
         return Run(path, cfg, info, records)
-    _write_metrics(path, records)
-    (path / "config.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
-    summary = {"final": records[-1], "wall_s": info["wall_s"]}
-    (path / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    runlog.write_metrics(path, records)
+    runlog.write_json(path / "config.json", info)
+    runlog.write_json(path / "summary.json", {"final": records[-1], "wall_s": info["wall_s"]})
     return Run(path, cfg, info, records)
 
 
@@ -506,49 +221,43 @@ def _floats(tree: dict) -> dict[str, float]:
     return {k: float(v) for k, v in tree.items()}
 
 
-def _save(path: Path, step: int, params, opt_state, records) -> None:
-    """Write the checkpoint (params, optimizer state, step) and the metrics so far, atomically."""
-    state = serialization.to_state_dict(
-        {"step": step, "params": jax.device_get(params), "opt_state": jax.device_get(opt_state)}
-    )
-    tmp = path / "checkpoint.msgpack.tmp"
-    tmp.write_bytes(serialization.msgpack_serialize(state))
-    tmp.replace(path / "checkpoint.msgpack")
-    _write_metrics(path, records)
-
-
-def _restore(path: Path, problem: _Problem, params, opt_state):
-    """Load the checkpoint into arrays placed like ``params`` and ``opt_state``."""
-    raw = serialization.msgpack_restore((path / "checkpoint.msgpack").read_bytes())
-    template = {"step": 0, "params": jax.device_get(params), "opt_state": jax.device_get(opt_state)}
-    state = serialization.from_state_dict(template, raw)
-    step = int(state["step"])
-    shardings = jax.tree.map(lambda a: a.sharding, (params, opt_state))
-    params, opt_state = jax.device_put((state["params"], state["opt_state"]), shardings)
-    records = [r for r in _read_jsonl(path / "metrics.jsonl") if r["step"] <= step]
-    return step, params, opt_state, records
-
-
-def _read_jsonl(file: Path) -> list[dict]:
-    return [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
-
-
-def _write_metrics(path: Path, records: Sequence[dict]) -> None:
-    """``metrics.jsonl`` (one JSON object per row) and ``metrics.csv`` (blank where absent)."""
-    lines = "".join(json.dumps(r) + "\n" for r in records)
-    (path / "metrics.jsonl").write_text(lines)
-    keys = list(dict.fromkeys(k for r in records for k in r))
-    rows = [",".join(keys)]
-    rows += [",".join("" if k not in r else repr(r[k]) for k in keys) for r in records]
-    (path / "metrics.csv").write_text("\n".join(rows) + "\n")
-
-
 def load(path: Path | str) -> Run:
     """Read a finished run from its directory."""
     path = Path(path)
     info = json.loads((path / "config.json").read_text())
     cfg = Config(**info["config"])
-    return Run(path, cfg, info, _read_jsonl(path / "metrics.jsonl"))
+    return Run(path, cfg, info, runlog.read_records(path))
+
+
+PROG = "python -m experiments.train"
+
+
+def _fail(message: str) -> NoReturn:
+    """A command-line error: one line on stderr, exit code 2, no traceback."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors (a bad flag or value) as one line, like the harness's own."""
+
+    def error(self, message: str) -> NoReturn:
+        _fail(message)
+
+
+def _read_config(file: Path) -> dict[str, Any]:
+    """The Config fields in a JSON or TOML file; an unreadable or malformed file is one line."""
+    try:
+        text = file.read_text()
+        values = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
+        _fail(f"--config {file}: {err}")
+    if not isinstance(values, dict):
+        _fail(f"--config {file}: expected an object of Config fields, got {type(values).__name__}")
+    unknown = set(values) - set(field_types())
+    if unknown:
+        _fail(f"--config {file}: unknown config fields {sorted(unknown)}")
+    return values
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
@@ -558,20 +267,13 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
         f'"ef(top_k(ratio=0.01))"): dense(), {", ".join(names)}, '
         f"{', '.join(g for g in methods.GRADIENTS if g != 'dense')}."
     )
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.train",
-        description=__doc__.split("\n\n")[0],
-        epilog=epilog,
-    )
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=epilog)
     parser.add_argument("--config", type=Path, help="a JSON or TOML file of Config fields")
     for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
-        kind = {"int": int, "float": float, "str": str}.get(
-            str(field.type).split(" ")[0].replace("None", "").strip("| "), str
-        )
+        kind = next(k for k in field_types()[field.name] if k is not type(None))
         default = "the task's" if field.default is None else repr(field.default)
         parser.add_argument(
-            flag,
+            "--" + field.name.replace("_", "-"),
             dest=field.name,
             type=kind,
             default=None,
@@ -581,13 +283,7 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
     parser.add_argument("--fresh", action="store_true", help="ignore existing results")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    values: dict[str, Any] = {}
-    if args.config is not None:
-        text = args.config.read_text()
-        values = tomllib.loads(text) if args.config.suffix == ".toml" else json.loads(text)
-        unknown = set(values) - {f.name for f in dataclasses.fields(Config)}
-        if unknown:
-            parser.error(f"unknown config fields {sorted(unknown)}")
+    values = {} if args.config is None else _read_config(args.config)
     for field in dataclasses.fields(Config):
         if getattr(args, field.name) is not None:
             values[field.name] = getattr(args, field.name)
@@ -595,14 +291,14 @@ def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]
 
 
 def main(argv: Sequence[str] | None = None) -> Run:
-    """The command line: a bad task, method or field is one line on stderr (exit 2);
-    Ctrl-C says how to resume (exit 130); a finished run read back says so."""
+    """The command line: a bad task, method, field or config file is one line on stderr
+    (exit 2) and writes nothing; Ctrl-C says how to resume (exit 130); a finished run read
+    back says so."""
     cfg, args = _parse_args(argv)
     try:
         resolved = cfg.resolved()
-    except ValueError as err:
-        print(f"python -m experiments.train: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (TypeError, ValueError) as err:  # Config.resolved's checks, each naming the field
+        _fail(str(err))
     path = resolved.run_dir(Path(args.out))
     finished = not args.fresh and (path / "summary.json").exists()
     try:

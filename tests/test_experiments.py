@@ -138,7 +138,7 @@ def test_config_errors_name_the_field():
 def test_dense_run_is_gradient_descent_on_the_pooled_data(tmp_path):
     """Equal shards: the mean of the workers' gradients is the pooled gradient."""
     result = train.run(SMALL, tmp_path, progress=False)
-    problem = train._Problem(SMALL.resolved())
+    problem = train.Problem(SMALL.resolved())
     x = jnp.asarray(problem.x.reshape(-1, problem.x.shape[-1]))
     y = jnp.asarray(problem.y.reshape(-1))
     l2 = problem.task.l2
@@ -169,7 +169,7 @@ def test_an_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     assert resumed.records == whole.records
     assert train.load(resumed.path).records == whole.records  # the finished run reads back
     bits = compjax.communication(
-        methods.parse(cfg.method).build("data"), train._Problem(cfg.resolved()).params
+        methods.parse(cfg.method).build("data"), train.Problem(cfg.resolved()).params
     )
     assert whole.records[-1]["cum_bits"] == 20 * bits.bits_per_worker
 
@@ -186,7 +186,7 @@ def test_cli_with_a_config_file_writes_every_output(tmp_path, capsys):
     header = (result.path / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"step", "loss", "bits", "cum_comm_s", "test_accuracy", "dist_to_opt"} <= set(header)
     # rank-dAD's bits are what compjax's own dAD accounting reports for this batch
-    problem = train._Problem(result.config)
+    problem = train.Problem(result.config)
     batch = (problem.x[0], problem.y[0])
     expected = compjax.dad_communication(problem.loss, problem.params, batch, rank=1)
     assert result.records[1]["bits"] == expected["rank_dad"]

@@ -1,0 +1,130 @@
+"""Bad input to the harness is one line naming the field, before anything runs or is written;
+workers that do not divide the training set say which examples they leave out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from experiments import config, data, train
+
+# --- every field's type, from Config's annotations ------------------------------------
+
+WRONG = {str: 3, int: "3", float: "0.5"}  # a value of another type for each kind of field
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(train.Config)])
+def test_every_field_of_the_wrong_type_is_a_type_error_naming_it(name):
+    kind = config.field_types()[name][0]
+    cfg = dataclasses.replace(train.Config(task="logreg"), **{name: WRONG[kind]})
+    with pytest.raises(TypeError, match=rf"^{name} must be {kind.__name__}\b.*\(\w+\)$"):
+        cfg.resolved()
+
+
+@pytest.mark.parametrize("name", ["workers", "steps", "seed", "eval_every", "lr", "momentum"])
+def test_a_bool_is_not_a_number(name):
+    with pytest.raises(TypeError, match=rf"^{name} must be .*, got True \(bool\)"):
+        dataclasses.replace(train.Config(task="logreg"), **{name: True}).resolved()
+
+
+def test_an_int_serves_for_a_float_and_is_stored_as_one():
+    cfg = train.Config(task="logreg", lr=1, momentum=0, latency_us=5)
+    resolved = cfg.resolved()
+    assert (resolved.lr, resolved.momentum, resolved.latency_us) == (1.0, 0.0, 5.0)
+    assert all(type(v) is float for v in (resolved.lr, resolved.momentum, resolved.latency_us))
+    assert cfg.run_dir() == dataclasses.replace(cfg, lr=1.0).run_dir()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("seed", -1), ("seed", 2**32), ("checkpoint_every", 0)]
+)
+def test_integers_out_of_range_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be an integer"):
+        dataclasses.replace(train.Config(task="logreg"), **{field: value}).resolved()
+
+
+# --- the command line: one line on stderr, exit 2, nothing written ----------------------
+
+
+def _cli_error(args, tmp_path, capsys) -> str:
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        train.main([*args, "--out", str(out), "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert not out.exists()  # nothing written
+    return err
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"seed": "abc"}, "seed must be int, got 'abc' (str)"),
+        ({"checkpoint_every": "20"}, "checkpoint_every must be int, got '20' (str)"),
+        ({"lr": "0.1"}, "lr must be float or None, got '0.1' (str)"),
+        ({"momentum": "0.9"}, "momentum must be float, got '0.9' (str)"),
+        ({"steps": True}, "steps must be int or None, got True (bool)"),
+    ],
+)
+def test_a_config_file_field_of_the_wrong_type_is_one_line(fields, message, tmp_path, capsys):
+    file = tmp_path / "run.json"
+    file.write_text(json.dumps({"task": "logreg", **fields}))
+    assert message in _cli_error(["--config", str(file)], tmp_path, capsys)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("steps = true\n", "steps must be int or None, got True (bool)"),
+        ("steps = \n", "run.toml: Invalid value (at line 1, column 9)"),
+        ('task = "logreg"\nstep = 3\n', "unknown config fields ['step']"),
+        ("[steps]\n", "steps must be int or None, got {} (dict)"),
+    ],
+)
+def test_a_bad_toml_file_is_one_line(text, message, tmp_path, capsys):
+    file = tmp_path / "run.toml"
+    file.write_text(text)
+    assert message in _cli_error(["--config", str(file)], tmp_path, capsys)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--config", "missing.json"], "No such file or directory"),
+        (["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+    ],
+)
+def test_a_bad_file_or_flag_is_one_line(args, message, tmp_path, capsys):
+    assert message in _cli_error(args, tmp_path, capsys)
+
+
+# --- workers that do not divide the data -------------------------------------------------
+
+
+def test_dropped_examples_are_those_no_worker_is_dealt():
+    split = data.Split(np.zeros((10, 1), np.float32), np.arange(10, dtype=np.int32))
+    for partition in ("shuffle", "contiguous"):
+        _, y = data.worker_shards(split, 3, partition, seed=1)
+        dropped = data.dropped_examples(split, 3, partition, seed=1)
+        assert sorted([*y.ravel(), *dropped]) == list(range(10)) and len(dropped) == 1
+    assert data.dropped_examples(split, 3, "contiguous").tolist() == [9]
+    assert data.dropped_examples(split, 5, "shuffle").size == 0
+
+
+def test_a_run_over_workers_that_do_not_divide_the_data_says_what_it_drops(tmp_path, caplog):
+    cfg = train.Config(task="logreg", workers=7, steps=1, eval_every=1)
+    with caplog.at_level(logging.WARNING, logger="experiments.train"):
+        result = train.run(cfg, tmp_path, progress=False)
+    problem = train.Problem(result.config)
+    train_size = len(problem.dataset.train)
+    dropped = result.info["dropped_examples"]
+    assert len(dropped) == train_size % 7 == train_size - 7 * result.info["shard_size"] > 0
+    assert json.loads((result.path / "config.json").read_text())["dropped_examples"] == dropped
+    [warning] = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert f"the {len(dropped)} left over are dropped" in warning and str(dropped) in warning
