@@ -228,6 +228,73 @@ def test_state_specs_and_a_shard_map_step_on_8_devices(exchange):
     np.testing.assert_allclose(err, ref["w"][3], rtol=1e-4, atol=1e-6)
 
 
+def test_flatten_is_the_reference_on_the_concatenated_tree():
+    """One vector (b then w, ravel_pytree's order): one scale per chunk of the whole tree."""
+    tx = compjax.scale_by_onebit_adam("data", FREEZE, B1, B2, EPS, flatten=True)
+    outs, states, _ = run_vmap(tx, GRADS)
+    flat = [np.concatenate([np.asarray(g[k]).reshape(N, -1) for k in ("b", "w")], 1) for g in GRADS]
+    updates, _, _, err, _ = reference(flat, N, FREEZE, server_stage=True)
+    for t in range(STEPS):
+        got = np.concatenate([np.asarray(outs[t][k][0]).reshape(-1) for k in ("b", "w")])
+        np.testing.assert_allclose(got, updates[t], rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(states[-1].error).reshape(N, -1), err, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pmap_is_the_reference():
+    tx = compjax.scale_by_onebit_adam("data", FREEZE, B1, B2, EPS)
+    state = jax.vmap(lambda _: tx.init(PARAMS))(jnp.arange(N))
+    step = jax.pmap(tx.update, axis_name="data")
+    ref = reference_tree(GRADS, N, FREEZE, server_stage=True)
+    for t, g in enumerate(GRADS):
+        upd, state = step(g, state)
+        for name, (updates, *_) in ref.items():
+            got = np.asarray(upd[name][0]).reshape(-1)
+            np.testing.assert_allclose(got, updates[t], rtol=2e-5, atol=1e-5)
+
+
+def test_an_injected_learning_rate_schedule():
+    ref = reference_tree(GRADS, N, FREEZE, server_stage=True)
+    opt = optax.inject_hyperparams(compjax.onebit_adam, static_args=("axis_name", "freeze_step"))(
+        learning_rate=optax.linear_schedule(0.1, 0.0, 4), axis_name="data", freeze_step=FREEZE
+    )
+    state = jax.vmap(lambda _: opt.init(PARAMS))(jnp.arange(N))
+    run = jax.jit(jax.vmap(opt.update, axis_name="data"))
+    for t, g in enumerate(GRADS[:5]):
+        upd, state = run(g, state)
+        lr = max(0.1 * (1 - t / 4), 0.0)
+        np.testing.assert_allclose(
+            np.asarray(upd["b"][0]).reshape(-1), -lr * ref["b"][0][t], rtol=2e-5, atol=1e-6
+        )
+
+
+def test_hierarchical_exchange_on_a_4_by_2_mesh_loses_nothing():
+    """Compressed over 'hosts' only; the momentum and the memories still add up."""
+    axes = ("hosts", "local")
+    tx = compjax.scale_by_onebit_adam(axes, FREEZE, exchange=compjax.hierarchical("local"))
+    mesh = jax.make_mesh((4, 2), axes)
+    specs = compjax.state_specs(jax.eval_shape(tx.init, PARAMS), axes)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(PARAMS)
+    step = jax.jit(
+        jax.shard_map(tx.update, mesh=mesh, in_specs=(P(axes), specs), out_specs=(P(), specs))
+    )
+    for t, g in enumerate(GRADS):
+        old = state
+        flat = jax.tree.map(
+            lambda a: jax.device_put(a.reshape(-1, *a.shape[2:]), NamedSharding(mesh, P(axes))), g
+        )
+        _, state = step(flat, state)
+        if t < FREEZE:
+            continue
+        for name in PARAMS:  # sum_i (m_i + e_i(old) - e_i(new)) + S(old) = n m(new) + S(new)
+            local = B1 * np.asarray(old.mu[name]) + (1 - B1) * np.asarray(g[name])
+            sent = (local + np.asarray(old.error[name]) - np.asarray(state.error[name])).sum(0)
+            s_old, s_new = (np.asarray(s.server_error[name]).sum(0) for s in (old, state))
+            np.testing.assert_allclose(
+                sent + s_old, N * np.asarray(state.mu[name]) + s_new, rtol=1e-5, atol=1e-4
+            )
+
+
 def _loss(p, x, y):
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 

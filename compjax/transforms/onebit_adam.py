@@ -70,16 +70,22 @@ class OnebitAdamState(NamedTuple):
     PER_WORKER = ("error", "server_error")
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def _check(freeze_step, b1, b2, eps) -> None:
-    if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
+    """Construction-time checks of the Python numbers (arrays, e.g. from
+    ``optax.inject_hyperparams``, pass through)."""
+    if isinstance(freeze_step, bool | float) or (_is_number(freeze_step) and freeze_step < 1):
         raise ValueError(
             f"freeze_step must be an integer >= 1 (the variance is learnt during the "
             f"warm-up), got {freeze_step!r}"
         )
     for name, beta in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= beta < 1.0:
+        if _is_number(beta) and not 0.0 <= beta < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
-    if not eps > 0.0:
+    if _is_number(eps) and not eps > 0.0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
 
 
@@ -246,15 +252,19 @@ def onebit_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    **kwargs,
+    *,
+    comp: Compressor | None = None,
+    exchange: str | Exchange = "scatter_gather",
+    flatten: bool = False,
+    bucket_size: int | None = None,
+    seed: int = 0,
 ) -> optax.GradientTransformation:
     """1-bit Adam with a learning rate: :func:`scale_by_onebit_adam`, then ``-learning_rate``.
 
     Args:
       learning_rate: a float or an optax schedule.
-      axis_name, freeze_step, b1, b2, eps: see :func:`scale_by_onebit_adam`.
-      **kwargs: ``comp``, ``exchange``, ``flatten``, ``bucket_size``, ``seed``
-        of :func:`scale_by_onebit_adam`.
+      axis_name, freeze_step, b1, b2, eps, comp, exchange, flatten,
+        bucket_size, seed: see :func:`scale_by_onebit_adam`.
 
     Returns:
       ``optax.chain(scale_by_onebit_adam(...), optax.scale_by_learning_rate(lr))``.
@@ -264,6 +274,17 @@ def onebit_adam(
       with Adam's Convergence Speed", ICML 2021.
     """
     return optax.chain(
-        scale_by_onebit_adam(axis_name, freeze_step, b1, b2, eps, **kwargs),
+        scale_by_onebit_adam(
+            axis_name,
+            freeze_step,
+            b1,
+            b2,
+            eps,
+            comp=comp,
+            exchange=exchange,
+            flatten=flatten,
+            bucket_size=bucket_size,
+            seed=seed,
+        ),
         optax.scale_by_learning_rate(learning_rate),
     )
