@@ -15,7 +15,15 @@ Two phases, switched by the shared step count:
   the new shared momentum ``m``.
 
 Both phases update with ``m / (sqrt(v) + eps)``, with no bias correction,
-as in the paper's Algorithm 1 and DeepSpeed's ``OnebitAdam``.
+as in the paper's Algorithm 1 and DeepSpeed's ``OnebitAdam`` (which also
+carries the exchanged momentum, not each worker's own, into the next step).
+
+References:
+  Tang, Gan, Awan, Rajbhandari, Li, Lian, Liu, Zhang, He, "1-bit Adam:
+  Communication Efficient Large-Scale Training with Adam's Convergence
+  Speed", ICML 2021 (arXiv:2102.02888).
+  Tang, Yu, Lian, Zhang, Liu, "DoubleSqueeze: Parallel Stochastic Gradient
+  Descent with Double-Pass Error-Compensated Compression", ICML 2019.
 """
 
 from __future__ import annotations
@@ -125,6 +133,12 @@ def scale_by_onebit_adam(
     * :func:`compjax.hierarchical`: the momentum is reduce-scattered
       uncompressed over the fast axis and its shard exchanged as above over
       the slow ones.
+
+    The warm-up all-reduces the gradient in its own dtype (bf16 gradients are
+    summed in bf16); the moments and memories are float32 throughout.  A leaf
+    whose size is not a multiple of ``n`` has its last shard zero-padded, and
+    the padding counts in that shard's scales (as in DeepSpeed's padded
+    buffers).
 
     Non-finite gradients on any worker give NaN updates everywhere and keep
     the whole state, count included (see :mod:`compjax.transforms.base`).
