@@ -12,6 +12,7 @@ from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
+from compjax.compressors.l2_sign import l2_scaled_sign
 from compjax.compressors.natural import natural
 from compjax.compressors.qsgd import qsgd, qsgd_omega
 from compjax.compressors.sign import scaled_sign, sign
@@ -27,6 +28,7 @@ from compjax.transforms.dgc import DGCState, dgc
 from compjax.transforms.diana import DianaState, diana
 from compjax.transforms.ef21 import EF21State, ef21
 from compjax.transforms.error_feedback import ErrorFeedbackState, error_feedback
+from compjax.transforms.onebit_adam import OnebitAdamState, onebit_adam, scale_by_onebit_adam
 from compjax.transforms.powersgd import PowerSGDState, powersgd
 from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
 from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
@@ -51,6 +53,7 @@ __all__ = [
     "EF21State",
     "ErrorFeedbackState",
     "Exchange",
+    "OnebitAdamState",
     "Payload",
     "PowerSGDState",
     "SignVoteState",
@@ -76,8 +79,10 @@ __all__ = [
     "exchange",
     "hierarchical",
     "identity",
+    "l2_scaled_sign",
     "natural",
     "nnx",
+    "onebit_adam",
     "per_example_grads",
     "powersgd",
     "qsgd",
@@ -85,6 +90,7 @@ __all__ = [
     "rand_k",
     "rank_dad_grads",
     "real_bits_sent",
+    "scale_by_onebit_adam",
     "scaled",
     "scaled_sign",
     "sign",
