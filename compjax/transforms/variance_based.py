@@ -186,15 +186,6 @@ def _scatter_mean(indices: jax.Array, values: jax.Array, d: int, n: int) -> jax.
     return dense / n
 
 
-def _finish(bad, out, new_state, state, counter):
-    """Guard the step (NaN update and old state if any worker saw Inf/NaN).
-
-    The bit counter is not rolled back: the messages of a bad step did travel.
-    """
-    out, new_state = guarded(bad, out, new_state, state)
-    return out, new_state._replace(bits_sent=counter[None])
-
-
 # --- variance-based compression ----------------------------------------------
 
 
@@ -348,8 +339,8 @@ def variance_based(
     The update is the mean over workers of the decoded messages (all-gathered,
     scattered, divided by the number of workers), in the input's dtype; the
     accumulators are float32.  Non-finite input on any worker gives a NaN
-    update and keeps ``r`` and ``v`` (the bit counter still counts the step's
-    messages).
+    update and keeps the whole state: ``r``, ``v`` and the bit counter (the
+    step is void, as ``optax.apply_if_finite`` would make it).
 
     Args:
       axis_name: the data-parallel axis (``None``: a single worker).
@@ -420,9 +411,9 @@ def variance_based(
         new_state = VarianceBasedState(
             r=leaves.write(new_r, per_worker=True),
             v=leaves.write(new_v, per_worker=True),
-            bits_sent=state.bits_sent,
+            bits_sent=counter[None],
         )
-        out, new_state = _finish(bad, out, new_state, state, counter)
+        out, new_state = guarded(bad, out, new_state, state)
         out = jax.tree.map(lambda o, g: o.astype(g.dtype), leaves.rebuild(out), updates)
         return out, new_state
 
@@ -459,7 +450,8 @@ def strom_threshold(
     ``K`` coordinates exceed ``tau``, the ``K`` of largest ``|r|`` are sent
     (ties to the lower index) and the others stay in the residual.
 
-    Non-finite input on any worker gives a NaN update and keeps the residual.
+    Non-finite input on any worker gives a NaN update and keeps the whole
+    state (the residual and the bit counter).
 
     Args:
       axis_name: the data-parallel axis (``None``: a single worker).
@@ -518,9 +510,9 @@ def strom_threshold(
             new_res.append(acc.at[idx].add(-q).reshape(shape))
             counter = _add_bits(counter, jnp.sum(send), STROM_ENTRY_BITS)
         new_state = StromState(
-            residual=leaves.write(new_res, per_worker=True), bits_sent=state.bits_sent
+            residual=leaves.write(new_res, per_worker=True), bits_sent=counter[None]
         )
-        out, new_state = _finish(bad, out, new_state, state, counter)
+        out, new_state = guarded(bad, out, new_state, state)
         out = [o.astype(g.dtype) for o, g in zip(out, leaves.arrays, strict=True)]
         return leaves.rebuild(out), new_state
 
