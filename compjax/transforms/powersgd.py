@@ -34,7 +34,9 @@ class PowerSGDState(NamedTuple):
       count: steps taken (int32), for ``start_iter``.
       error: per-worker error memory ``e_i`` (zero for leaves sent uncompressed).
       q: shared right factors ``Q`` of the compressed leaves, warm-started
-        (leaf order; an empty array for leaves sent uncompressed).
+        (leaf order; ``None`` for leaves sent uncompressed: an empty pytree
+        node, which ``state_specs`` and orbax-checkpoint pass through, where a
+        zero-size array cannot be saved).
     """
 
     count: jax.Array
@@ -154,7 +156,7 @@ def powersgd(
     def initial_q(key, shape):
         r = plan(shape)
         if not r:
-            return jnp.zeros((0,), jnp.float32)
+            return None
         cols = matrix_view(shape, channels_last)[1]
         return orthogonalize(jax.random.normal(key, (cols, r)), orthogonalization_epsilon)
 
@@ -183,7 +185,7 @@ def powersgd(
     def compressed_step(arrays, errors, qs, n):
         out, new_errors, new_qs = [], [], []
         for g, e, q in zip(arrays, errors, qs, strict=True):
-            if q.size == 0:
+            if q is None:
                 out.append(dense_mean(g, n))
                 new_errors.append(e)
                 new_qs.append(q)
