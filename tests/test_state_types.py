@@ -41,6 +41,7 @@ STATEFUL = {
     ),
     "powersgd": lambda **kw: compjax.powersgd(1, "data", min_compression_rate=1.0, **kw),
     "signum": lambda **kw: compjax.sign_majority_vote("data", 0.9, **kw),
+    "strom_threshold": lambda **kw: compjax.strom_threshold("data", 0.05, budget=0.5, **kw),
 }
 
 
@@ -88,7 +89,7 @@ def test_bfloat16_gradients_keep_float32_state_and_bfloat16_updates(name):
         assert float_dtypes(out) == {jnp.dtype(BF16)}
 
 
-@pytest.mark.parametrize("name", ["error_feedback(top_k)", "powersgd"])
+@pytest.mark.parametrize("name", ["error_feedback(top_k)", "powersgd", "strom_threshold"])
 def test_an_explicit_state_dtype_is_used(name):
     tx = STATEFUL[name](state_dtype=BF16)
     _, states = run(tx, PARAMS, 1, jnp.float32)
@@ -96,11 +97,20 @@ def test_an_explicit_state_dtype_is_used(name):
     assert avals(states[0]) == avals(states[1])
 
 
-@pytest.mark.parametrize("name", list(STATEFUL))
+@pytest.mark.parametrize("name", [*STATEFUL, "variance_based"])
 @pytest.mark.parametrize("bad", [jnp.int32, "nope", bool])
 def test_state_dtype_is_validated_at_construction(name, bad):
+    make = STATEFUL.get(name, lambda **kw: compjax.variance_based("data", **kw))
     with pytest.raises(ValueError, match="state_dtype"):
-        STATEFUL[name](state_dtype=bad)
+        make(state_dtype=bad)
+
+
+def test_variance_based_accumulators_take_the_state_dtype():
+    tx = compjax.variance_based(None, budget=0.5, state_dtype=BF16)
+    state = tx.init(PARAMS)
+    _, new = jax.jit(tx.update)(grads_at(0), state)  # a batch of 2 examples
+    assert float_dtypes(new) == {jnp.dtype(BF16)}
+    assert avals(state) == avals(new)
 
 
 # --- nothing is lost in bfloat16 -------------------------------------------------------------

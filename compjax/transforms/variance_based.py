@@ -36,7 +36,15 @@ import optax
 from compjax import packing
 from compjax.collectives import AxisName, all_gather, num_workers, record
 from compjax.payload import Payload
-from compjax.transforms.base import Leaves, any_non_finite, counted, guarded
+from compjax.transforms.base import (
+    Leaves,
+    any_non_finite,
+    cast_like,
+    check_state_dtype,
+    counted,
+    guarded,
+    state_zeros,
+)
 
 #: Bits of one index on the wire (int32).
 INDEX_BITS = 32
@@ -56,8 +64,9 @@ class VarianceBasedState(NamedTuple):
     """State of :func:`variance_based`.
 
     Attributes:
-      r: per-worker accumulated gradient (float32, leading worker axis).
-      v: per-worker accumulated variance estimate (float32, leading worker axis).
+      r: per-worker accumulated gradient (float32 by default, leading worker axis).
+      v: per-worker accumulated variance estimate (float32 by default, leading
+        worker axis).
       bits_sent: per-worker cumulative real bits sent, as uint32 words
         ``(low, high)`` (shape ``(1, 2)`` in each worker's view); read it with
         :func:`real_bits_sent`.
@@ -73,7 +82,7 @@ class StromState(NamedTuple):
     """State of :func:`strom_threshold`.
 
     Attributes:
-      residual: per-worker residual ``r`` (float32, leading worker axis).
+      residual: per-worker residual ``r`` (float32 by default, leading worker axis).
       bits_sent: per-worker cumulative real bits sent, uint32 ``(low, high)``.
     """
 
@@ -133,10 +142,6 @@ def budget_slots(budget: int | float, d: int) -> int:
 
 
 # --- shared pieces -----------------------------------------------------------
-
-
-def _zeros32(a: jax.Array) -> jax.Array:
-    return jnp.zeros(a.shape, jnp.float32)
 
 
 def _counter() -> jax.Array:
@@ -285,6 +290,7 @@ def variance_based(
     *,
     budget: int | float = 0.01,
     flatten: bool = False,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Variance-based gradient compression: send a coordinate once it is unambiguous.
 
@@ -338,9 +344,9 @@ def variance_based(
 
     The update is the mean over workers of the decoded messages (all-gathered,
     scattered, divided by the number of workers), in the input's dtype; the
-    accumulators are float32.  Non-finite input on any worker gives a NaN
-    update and keeps the whole state: ``r``, ``v`` and the bit counter (the
-    step is void, as ``optax.apply_if_finite`` would make it).
+    accumulators are float32 (``state_dtype``).  Non-finite input on any
+    worker gives a NaN update and keeps the whole state: ``r``, ``v`` and the
+    bit counter (the step is void, as ``optax.apply_if_finite`` would make it).
 
     Args:
       axis_name: the data-parallel axis (``None``: a single worker).
@@ -350,10 +356,13 @@ def variance_based(
       budget: slots per message: an integer ``>= 1`` (capped at ``d``), or a
         fraction in ``(0, 1]`` of the entries (``max(1, round(budget d))``).
       flatten: one message for the whole tree instead of one per leaf.
+      state_dtype: dtype of the accumulators (see
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
+        the parameters' dtype where wider); messages are the same either way.
 
     Raises:
-      ValueError: ``alpha``, ``zeta`` or ``budget`` out of range (at
-        construction); updates without a common leading batch axis (at update).
+      ValueError: ``alpha``, ``zeta``, ``budget`` or ``state_dtype`` invalid
+        (at construction); updates without a common leading batch axis (at update).
 
     References:
       Tsuzuku, Imachi, Akiba, "Variance-based Gradient Compression for
@@ -363,12 +372,13 @@ def variance_based(
     _check_real("alpha", alpha, lambda x: x > 0, "a finite number > 0")
     _check_real("zeta", zeta, lambda x: 0 < x <= 1, "in (0, 1]")
     _check_budget(budget)
+    zeros = state_zeros(check_state_dtype(state_dtype))
 
     def init_fn(params):
         leaves = Leaves(params, flatten)
         return VarianceBasedState(
-            r=leaves.worker_state(_zeros32),
-            v=leaves.worker_state(_zeros32),
+            r=leaves.worker_state(zeros),
+            v=leaves.worker_state(zeros),
             bits_sent=_counter(),
         )
 
@@ -409,8 +419,8 @@ def variance_based(
             counter = _add_bits(counter, n_sent, VARIANCE_BASED_ENTRY_BITS)
             counter = _add_bits(counter, n_sent > 0, SCALE_BITS)
         new_state = VarianceBasedState(
-            r=leaves.write(new_r, per_worker=True),
-            v=leaves.write(new_v, per_worker=True),
+            r=leaves.write(cast_like(new_r, rs), per_worker=True),
+            v=leaves.write(cast_like(new_v, vs), per_worker=True),
             bits_sent=counter[None],
         )
         out, new_state = guarded(bad, out, new_state, state)
@@ -429,6 +439,7 @@ def strom_threshold(
     *,
     budget: int | float = 0.01,
     flatten: bool = False,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Strom's threshold quantisation: send ``+-tau`` where the residual exceeds ``tau``.
 
@@ -459,9 +470,12 @@ def strom_threshold(
       budget: slots per message: an integer ``>= 1`` (capped at ``d``), or a
         fraction in ``(0, 1]`` of the entries (``max(1, round(budget d))``).
       flatten: one message for the whole tree instead of one per leaf.
+      state_dtype: dtype of the accumulators (see
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
+        the parameters' dtype where wider); messages are the same either way.
 
     Raises:
-      ValueError: ``tau`` or ``budget`` out of range.
+      ValueError: ``tau``, ``budget`` or ``state_dtype`` invalid.
 
     References:
       Strom, "Scalable distributed DNN training using commodity GPU cloud
@@ -469,11 +483,11 @@ def strom_threshold(
     """
     _check_real("tau", tau, lambda x: x > 0, "a finite number > 0")
     _check_budget(budget)
+    zeros = state_zeros(check_state_dtype(state_dtype))
 
     def init_fn(params):
-        return StromState(
-            residual=Leaves(params, flatten).worker_state(_zeros32), bits_sent=_counter()
-        )
+        residual = Leaves(params, flatten).worker_state(zeros)
+        return StromState(residual=residual, bits_sent=_counter())
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten)
@@ -510,7 +524,8 @@ def strom_threshold(
             new_res.append(acc.at[idx].add(-q).reshape(shape))
             counter = _add_bits(counter, jnp.sum(send), STROM_ENTRY_BITS)
         new_state = StromState(
-            residual=leaves.write(new_res, per_worker=True), bits_sent=counter[None]
+            residual=leaves.write(cast_like(new_res, residuals), per_worker=True),
+            bits_sent=counter[None],
         )
         out, new_state = guarded(bad, out, new_state, state)
         out = [o.astype(g.dtype) for o, g in zip(out, leaves.arrays, strict=True)]
