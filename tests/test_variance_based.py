@@ -22,12 +22,9 @@ from test_transforms import PARAMS, assert_trees_close, run_shard_map
 
 import compjax
 from compjax.transforms import variance_based as vbm
-from compjax.transforms.variance_based import (
-    per_example_grads,
-    real_bits_sent,
-    strom_threshold,
-    variance_based,
-)
+from compjax.transforms.padded_sparse import real_bits_sent
+from compjax.transforms.strom import strom_threshold
+from compjax.transforms.variance_based import per_example_grads, variance_based
 
 N = 8  # workers (8 forced CPU devices under shard_map)
 B = 4  # examples per worker
