@@ -29,17 +29,12 @@ from compjax.transforms.diana import DianaState, diana
 from compjax.transforms.ef21 import EF21State, ef21
 from compjax.transforms.error_feedback import ErrorFeedbackState, error_feedback
 from compjax.transforms.onebit_adam import OnebitAdamState, onebit_adam, scale_by_onebit_adam
+from compjax.transforms.padded_sparse import real_bits_sent
 from compjax.transforms.powersgd import PowerSGDState, powersgd
 from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
+from compjax.transforms.strom import StromState, strom_threshold
 from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
-from compjax.transforms.variance_based import (
-    StromState,
-    VarianceBasedState,
-    per_example_grads,
-    real_bits_sent,
-    strom_threshold,
-    variance_based,
-)
+from compjax.transforms.variance_based import VarianceBasedState, per_example_grads, variance_based
 
 __version__ = "0.1.0"
 

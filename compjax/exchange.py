@@ -152,7 +152,8 @@ class Exchanged:
       mean: the decoded mean over workers (identical on every worker).
       local: this worker's part of it (its decoded message ``C(x)`` on an
         all-gather; see the module docstring for the others).
-      memory: the new server memory (``None`` when none is kept).
+      memory: the new server memory (``None`` when none is kept), in the
+        precision it was computed in (float32 for a low-precision ``x``).
     """
 
     mean: jax.Array
@@ -210,7 +211,10 @@ def compressed_mean(
         flat_memory = None if memory is None else memory.reshape(-1)
         total, local, memory = _scatter_gather(comp, key, x.reshape(-1), flat_memory, names, n)
     as_x = lambda a: None if a is None else a.reshape(x.shape).astype(x.dtype)  # noqa: E731
-    return Exchanged(mean=as_x(total / n), local=as_x(local), memory=as_x(memory))
+    # The memory keeps the precision it was computed in (float32 for a bfloat16 x):
+    # rounding it to x's dtype would drop small residuals every step.
+    memory = None if memory is None else memory.reshape(x.shape)
+    return Exchanged(mean=as_x(total / n), local=as_x(local), memory=memory)
 
 
 def decoded_sum(comp: Compressor, gathered: Payload, n: int) -> jax.Array:

@@ -1,6 +1,8 @@
 """orbax-checkpoint, the documented path: the whole training state under shard_map (per-worker
 leaves sharded over the data axis) saved and restored onto the mesh, continuing bit for bit."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,26 +16,42 @@ import compjax
 P = jax.P
 N = 8
 W0 = {"w": jnp.linspace(-0.3, 0.3, 18).reshape(6, 3), "b": jnp.zeros(3)}
+#: Every transformation compjax exports (test_every_transformation_is_checkpointed checks
+#: that none is missing), on a 2-D kernel and a 1-D bias.
 BUILDERS = {
+    "compress(qsgd)": lambda: compjax.compress(compjax.qsgd(levels=4), "data"),
+    "compress(top_k, scatter_gather)": lambda: compjax.compress(
+        compjax.top_k(ratio=0.5), "data", exchange="scatter_gather"
+    ),
     "error_feedback(top_k)": lambda: compjax.error_feedback(compjax.top_k(ratio=0.3), "data"),
+    "ef21(top_k)": lambda: compjax.ef21(compjax.top_k(ratio=0.3), "data"),
     "diana(qsgd, scatter_gather)": lambda: compjax.diana(
         compjax.qsgd(levels=4), "data", exchange="scatter_gather"
     ),
     "dgc": lambda: compjax.dgc("data", 0.3, min_size=1),
+    # min_compression_rate=1 compresses the 6 x 3 kernel; the bias is sent dense.
+    "powersgd": lambda: compjax.powersgd(1, "data", min_compression_rate=1.0),
+    "signum": lambda: compjax.sign_majority_vote("data", momentum=0.9),
+    "terngrad_allreduce": lambda: compjax.terngrad_allreduce("data"),
+    "variance_based": lambda: compjax.variance_based("data", budget=0.5),
+    "strom_threshold": lambda: compjax.strom_threshold("data", 0.05, budget=0.5),
 }
+#: Transformations whose input is per-example gradients.
+PER_EXAMPLE = {"variance_based"}
 
 
 def loss(p, x, y):
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
 
-def setup(tx):
+def setup(tx, per_example: bool = False):
     mesh = jax.make_mesh((N,), ("data",))
     opt = optax.chain(tx, optax.sgd(0.1))
     specs = compjax.state_specs(jax.eval_shape(opt.init, W0), "data")
+    grad = functools.partial(compjax.per_example_grads, loss) if per_example else jax.grad(loss)
 
     def step(p, s, x, y):
-        g = jax.grad(loss)(compjax.worker_params(p, "data"), x, y)
+        g = grad(compjax.worker_params(p, "data"), x, y)
         u, s = opt.update(g, s, p)
         return optax.apply_updates(p, u), s
 
@@ -60,7 +78,7 @@ def abstract(tree):
 
 @pytest.mark.parametrize("name", list(BUILDERS))
 def test_standard_checkpointer_continues_bit_identically(name, tmp_path):
-    _, _, init, run, batch = setup(BUILDERS[name]())
+    _, _, init, run, batch = setup(BUILDERS[name](), name in PER_EXAMPLE)
     params, state = W0, init(W0)
     for t in range(3):
         params, state = run(params, state, *batch(t))
@@ -78,6 +96,12 @@ def test_standard_checkpointer_continues_bit_identically(name, tmp_path):
         p2, s2 = run(p2, s2, *batch(t))
     for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p2, s2)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_transformation_is_checkpointed():
+    exported = {getattr(compjax, n) for n in compjax.__all__ if n.endswith("State")}
+    covered = {type(jax.eval_shape(make().init, W0)) for make in BUILDERS.values()}
+    assert exported == covered
 
 
 def test_checkpoint_manager_restores_the_latest_step(tmp_path):

@@ -22,12 +22,9 @@ from test_transforms import PARAMS, assert_trees_close, run_shard_map
 
 import compjax
 from compjax.transforms import variance_based as vbm
-from compjax.transforms.variance_based import (
-    per_example_grads,
-    real_bits_sent,
-    strom_threshold,
-    variance_based,
-)
+from compjax.transforms.padded_sparse import real_bits_sent
+from compjax.transforms.strom import strom_threshold
+from compjax.transforms.variance_based import per_example_grads, variance_based
 
 N = 8  # workers (8 forced CPU devices under shard_map)
 B = 4  # examples per worker
@@ -244,6 +241,18 @@ def test_non_finite_input_gives_nan_and_keeps_the_accumulators():
     assert all(np.isnan(u).all() for u in jax.tree.leaves(outs[1]))
     assert_trees_close(squeeze(states[2].r), squeeze(states[1].r), rtol=0, atol=0)
     assert_trees_close(squeeze(states[2].v), squeeze(states[1].v), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tx", [VB, STROM], ids=["variance_based", "strom"])
+def test_non_finite_step_keeps_the_bit_counter(tx):
+    grads = [example_grads(t) for t in range(2)]
+    grads[1]["w"][3, 0, 2, 0] = np.nan  # the first example: also Strom's gradient
+    if tx is STROM:
+        grads = [{k: v[:, 0] for k, v in g.items()} for g in grads]
+    _, states = run_steps(tx, grads)
+    assert real_bits_sent(states[1]) > 0
+    assert real_bits_sent(states[2]) == real_bits_sent(states[1])
+    np.testing.assert_array_equal(states[2].bits_sent, states[1].bits_sent)
 
 
 @functools.cache

@@ -12,6 +12,17 @@ Keys: the state holds a raw uint32 PRNG key shared by all workers, split every
 step; :mod:`compjax.collectives` folds in the worker index where workers need
 independent noise.
 
+State dtype: persistent per-leaf state (error memories, shifts, momenta,
+accumulators) is kept in ``float32`` by default, or in the leaf's own dtype
+where that is wider (float64), whatever the gradients' dtype: a bfloat16
+memory rounds away every increment below 2**-8 of its value, so small
+coordinates would never be sent.  Each transformation with such state takes
+``state_dtype`` (in the spirit of optax's ``mu_dtype``): ``None`` for that
+default, or a floating dtype used for every leaf (:func:`check_state_dtype`,
+:func:`state_zeros`).  Messages are still compressed in the gradient's dtype
+(the wire format is unchanged), the updates returned keep the gradient's
+dtype, and the state's dtypes are fixed at ``init`` (:func:`cast_like`).
+
 Non-finite input: if any worker's update holds an Inf or NaN (one 8-bit
 flag per step is reduced with ``pmax``), the transformation returns an update
 of NaNs on every worker and keeps its whole state (error memory, shifts, key)
@@ -286,26 +297,72 @@ def guarded(bad: jax.Array, out: list[jax.Array], new_state: Any, old_state: Any
     return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)
 
 
+def check_state_dtype(state_dtype: Any) -> np.dtype | None:
+    """Construction-time check of ``state_dtype``: ``None`` or a floating dtype.
+
+    Returns:
+      ``None``, or the dtype as a numpy dtype.
+
+    Raises:
+      ValueError: ``state_dtype`` is not a floating dtype (the message names it).
+    """
+    if state_dtype is None:
+        return None
+    try:
+        dtype = jnp.dtype(state_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(
+            f"state_dtype must be None (float32, or the parameter's dtype if wider) or a "
+            f"floating dtype such as jnp.float32, got {state_dtype!r}"
+        )
+    return dtype
+
+
+def state_zeros(state_dtype: np.dtype | None) -> Callable[[jax.Array], jax.Array]:
+    """A ``fill`` for :meth:`Leaves.worker_state`: zeros of a leaf's shape in the state dtype.
+
+    ``state_dtype=None``: ``float32``, or the leaf's dtype where that is wider.
+    """
+
+    def fill(a: jax.Array) -> jax.Array:
+        dtype = jnp.promote_types(a.dtype, jnp.float32) if state_dtype is None else state_dtype
+        return jnp.zeros(a.shape, dtype)
+
+    return fill
+
+
+def cast_like(arrays: Sequence[jax.Array], old: Sequence[jax.Array]) -> list[jax.Array]:
+    """``arrays`` in the dtypes of the state they replace (fixed at ``init``)."""
+    return [a.astype(o.dtype) for a, o in zip(arrays, old, strict=True)]
+
+
 class ServerMemory:
     """The shard owners' error memories of a scatter-gather exchange (see :mod:`compjax.exchange`).
 
     Kept, per worker and with each leaf's shape, only where
     :func:`compjax.exchange.keeps_memory` says so (a biased compressor over a
     scatter-gather exchange); otherwise the state field is an empty tuple.
+    Kept in the state dtype (:func:`state_zeros`).
     """
 
-    def __init__(self, comp, exchange):
+    def __init__(self, comp, exchange, state_dtype: np.dtype | None = None):
         self.kept = keeps_memory(comp, exchange)
+        self.fill = state_zeros(state_dtype)
 
     def init(self, leaves: Leaves) -> Any:
-        return leaves.worker_state(lambda a: jnp.zeros(a.shape, jnp.float32)) if self.kept else ()
+        return leaves.worker_state(self.fill) if self.kept else ()
 
     def read(self, leaves: Leaves, field: Any) -> list[jax.Array | None]:
         if not self.kept:
             return [None] * len(leaves.arrays)
         return leaves.read(field, "server_error", per_worker=True)
 
-    def write(self, leaves: Leaves, arrays: Sequence[jax.Array | None]) -> Any:
+    def write(
+        self, leaves: Leaves, arrays: Sequence[jax.Array | None], old: Sequence[jax.Array | None]
+    ) -> Any:
+        """The new memories ``arrays``, in the dtypes of the ``old`` ones (from :meth:`read`)."""
         if not self.kept:
             return ()
-        return leaves.write([a.astype(jnp.float32) for a in arrays], per_worker=True)
+        return leaves.write(cast_like(arrays, old), per_worker=True)

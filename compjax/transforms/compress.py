@@ -24,6 +24,7 @@ from compjax.transforms.base import (
     ServerMemory,
     any_non_finite,
     check_grouping,
+    check_state_dtype,
     counted,
     guarded,
     init_key,
@@ -53,6 +54,7 @@ def compress(
     bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """The compressed mean of the workers' updates.
 
@@ -68,6 +70,10 @@ def compress(
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
         then keeps the shard owners' error memory in ``server_error``) or
         :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
+      state_dtype: dtype of the shard owners' memories (see
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
+        the parameters' dtype where wider) even for bfloat16/float16
+        gradients.
 
     Returns:
       An ``optax.GradientTransformation`` whose update is
@@ -78,7 +84,7 @@ def compress(
       >>> opt = optax.chain(compjax.compress(compjax.qsgd(4), "data"), optax.sgd(0.1))
     """
 
-    server = ServerMemory(comp, exchange)
+    server = ServerMemory(comp, exchange, check_state_dtype(state_dtype))
 
     check_grouping(flatten, bucket_size)
 
@@ -97,7 +103,7 @@ def compress(
             for k, g, m in zip(keys, leaves.arrays, memories, strict=True)
         ]
         out = [s.mean for s in sent]
-        new_state = CompressState(key, server.write(leaves, [s.memory for s in sent]))
+        new_state = CompressState(key, server.write(leaves, [s.memory for s in sent], memories))
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state
 

@@ -33,7 +33,16 @@ from compjax.collectives import AxisName
 from compjax.compressors.sparse import top_k
 from compjax.exchange import Exchange, as_exchange, compressed_mean
 from compjax.payload import Payload
-from compjax.transforms.base import Leaves, ServerMemory, any_non_finite, counted, guarded
+from compjax.transforms.base import (
+    Leaves,
+    ServerMemory,
+    any_non_finite,
+    cast_like,
+    check_state_dtype,
+    counted,
+    guarded,
+    state_zeros,
+)
 from compjax.transforms.dgc_select import (
     Selection,
     exact_select,
@@ -118,6 +127,7 @@ def _dense(g, u, opts: _Options, n: int):
     dropped, so nothing is stale and ``u`` is not masked.
     """
     u, v = _accumulate(g, u, jnp.zeros_like(g), opts)
+    v = v.astype(g.dtype)  # sent in the gradient's dtype
     collectives.record("dense", v, "all_reduce", opts.axis_name)
     total = collectives.psum(v, opts.axis_name) if opts.axis_name is not None else v
     return (total / n).astype(g.dtype), u
@@ -143,42 +153,55 @@ def _gather(payload: Payload, axis_name: AxisName) -> Payload:
     return collectives.all_gather(payload, axis_name)
 
 
-def _sparse(v, u, ratio, step, opts: _Options, n: int):
-    """Send the selected entries of ``v``; the mean of every worker's message; masked ``u, v``."""
+def _sparse(v, u, ratio, step, opts: _Options, n: int, wire_dtype):
+    """Send the selected entries of ``v``; the mean of every worker's message; masked ``u, v``.
+
+    The values travel in ``wire_dtype`` (the gradient's); where ``v`` is kept
+    in a wider dtype, the rounding of a sent entry stays in ``v`` (zero when
+    the dtypes agree).
+    """
     d = v.size
     flat = v.reshape(-1)
     sel = _select(flat, num_selected(d, ratio), step, opts)
-    values = flat.at[sel.indices].get(mode="fill", fill_value=0)
+    picked = flat.at[sel.indices].get(mode="fill", fill_value=0)
+    values = picked.astype(wire_dtype)
     payload = Payload(
-        wire={"indices": sel.indices, "values": values}, side={}, meta=(v.shape, v.dtype)
+        wire={"indices": sel.indices, "values": values}, side={}, meta=(v.shape, wire_dtype)
     )
     collectives.record("payload", payload, "all_gather", opts.axis_name)
     wire = _gather(payload, opts.axis_name).wire
     total = jnp.zeros((d,), jnp.float32).at[wire["indices"].reshape(-1)]
     total = total.add(wire["values"].reshape(-1).astype(jnp.float32), mode="drop")
-    mean = (total / n).astype(v.dtype).reshape(v.shape)
-    v = flat.at[sel.indices].set(0, mode="drop").reshape(v.shape)
+    mean = (total / n).astype(wire_dtype).reshape(v.shape)
+    residual = picked - values.astype(flat.dtype)
+    v = flat.at[sel.indices].set(residual, mode="drop").reshape(v.shape)
     if u is not None and opts.momentum_masking:
         u = u.reshape(-1).at[sel.indices].set(0, mode="drop").reshape(u.shape)
     return mean, u, v
 
 
-def _exchanged(v, u, memory, ratio, opts: _Options):
+def _exchanged(v, u, memory, ratio, opts: _Options, wire_dtype):
     """``v`` through :func:`compjax.exchange.compressed_mean` with an exact top-k per shard.
 
     ``local`` is this worker's part of the exchange (on a scatter-gather, its
     own first-stage message): ``v <- v - local`` clears exactly the entries it
-    sent, and ``u`` is masked where ``local`` is non-zero.
+    sent, and ``u`` is masked where ``local`` is non-zero.  ``v`` is sent in
+    ``wire_dtype`` (the gradient's).
     """
     sent = compressed_mean(
-        top_k(ratio=ratio), jax.random.key(0), v, opts.axis_name, opts.exchange, memory
+        top_k(ratio=ratio),
+        jax.random.key(0),
+        v.astype(wire_dtype),
+        opts.axis_name,
+        opts.exchange,
+        memory,
     )
     if u is not None and opts.momentum_masking:
         u = jnp.where(sent.local != 0, jnp.zeros_like(u), u)
     return sent.mean, u, v - sent.local, sent.memory
 
 
-def _exchange(vs, us, memories, step, opts: _Options, n: int):
+def _exchange(vs, us, memories, step, opts: _Options, n: int, wire_dtypes):
     """The sparse leaves' exchange, in the warm-up phase ``step`` is in.
 
     Every phase has its own static ``k`` (its own top-k ratio on the other
@@ -191,15 +214,16 @@ def _exchange(vs, us, memories, step, opts: _Options, n: int):
       ``(means, us, vs, memories)``, one list each.
     """
 
-    def one(ratio, v, u, memory):
+    def one(ratio, v, u, memory, wire_dtype):
         if opts.exchange is None:
-            return (*_sparse(v, u, ratio, step, opts, n), memory)
-        return _exchanged(v, u, memory, ratio, opts)
+            return (*_sparse(v, u, ratio, step, opts, n, wire_dtype), memory)
+        return _exchanged(v, u, memory, ratio, opts, wire_dtype)
 
     def branch(ratio, record):
         def run(vs, us, memories):
             with contextlib.nullcontext() if record else collectives.unrecorded():
-                outs = [one(ratio, *a) for a in zip(vs, us, memories, strict=True)]
+                rows = zip(vs, us, memories, wire_dtypes, strict=True)
+                outs = [one(ratio, *a) for a in rows]
             return tuple(list(t) for t in zip(*outs, strict=True)) if outs else ([],) * 4
 
         return run
@@ -260,6 +284,7 @@ def dgc(
     min_size: int = 1024,
     flatten: bool = False,
     exchange: str | Exchange = "all_gather",
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Deep Gradient Compression (Lin et al., ICLR 2018) as an optax transformation.
 
@@ -323,10 +348,11 @@ def dgc(
       (``None``) is the sampled threshold on the all-gather exchange and the
       exact top-k on the others.
     * **Payload** (static shapes, so the message has a fixed size):
-      ``Payload(wire={"indices": int32[c], "values": v.dtype[c]})`` with
-      capacity ``c = min(d, floor(hi k))`` for the sampled threshold (``k``
-      for the exact top-k); unused slots carry index ``d`` and value 0 and
-      scatter nothing.  A worker sends ``c (32 + value bits)`` bits per
+      ``Payload(wire={"indices": int32[c], "values": g.dtype[c]})`` (values
+      in the gradient's dtype, whatever ``state_dtype``) with capacity
+      ``c = min(d, floor(hi k))`` for the sampled threshold (``k`` for the
+      exact top-k); unused slots carry index ``d`` and value 0 and scatter
+      nothing.  A worker sends ``c (32 + value bits)`` bits per
       sparse leaf, padding included: that is what ``all_gather`` moves.
     * **Exchange**: the default ``"all_gather"`` gathers every worker's
       payload above.  ``"scatter_gather"`` or :func:`compjax.hierarchical`
@@ -379,9 +405,14 @@ def dgc(
         memory in ``server_error``) or :func:`compjax.hierarchical` (see
         :mod:`compjax.exchange`).  Small leaves are all-reduced dense on
         every exchange.
+      state_dtype: dtype of ``u``, ``v`` and the server memories (see
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
+        the parameters' dtype where wider) even for bfloat16/float16
+        gradients; messages and updates keep the gradient's dtype.
 
     Raises:
-      ValueError: a parameter outside its range (the message names it),
+      ValueError: a parameter outside its range or an invalid
+        ``state_dtype`` (the message names it),
         ``nesterov`` without ``momentum_correction``, an unknown ``exchange``,
         or ``sampled_threshold=True`` with an exchange other than
         ``"all_gather"``.
@@ -422,14 +453,17 @@ def dgc(
         exchange=None if own_gather else route,
     )
     # Every phase's top_k keeps a memory or none alike: the ratio does not matter.
-    server = ServerMemory(top_k(ratio=ratio), route)
+    state_dtype = check_state_dtype(state_dtype)
+    server = ServerMemory(top_k(ratio=ratio), route, state_dtype)
+
+    zeros = state_zeros(state_dtype)
 
     def init_fn(params):
         leaves = Leaves(params, flatten)
         return DGCState(
             step=jnp.zeros([], jnp.int32),
-            momentum=leaves.worker_state() if opts.momentum_correction else None,
-            velocity=leaves.worker_state(),
+            momentum=leaves.worker_state(zeros) if opts.momentum_correction else None,
+            velocity=leaves.worker_state(zeros),
             server_error=server.init(leaves),
         )
 
@@ -452,14 +486,19 @@ def dgc(
                 sparse.append(i)
                 new_us[i], new_vs[i] = _accumulate(g, us[i], vs[i], opts)
         pick = lambda xs: [xs[i] for i in sparse]  # noqa: E731
-        sent = _exchange(pick(new_vs), pick(new_us), pick(ms), state.step, opts, n)
+        wire = [leaves.arrays[i].dtype for i in sparse]
+        sent = _exchange(pick(new_vs), pick(new_us), pick(ms), state.step, opts, n, wire)
         for j, i in enumerate(sparse):
             out[i], new_us[i], new_vs[i], new_ms[i] = (s[j] for s in sent)
         new_state = DGCState(
             step=optax.safe_increment(state.step),
-            momentum=leaves.write(new_us, per_worker=True) if opts.momentum_correction else None,
-            velocity=leaves.write(new_vs, per_worker=True),
-            server_error=server.write(leaves, new_ms),
+            momentum=(
+                leaves.write(cast_like(new_us, us), per_worker=True)
+                if opts.momentum_correction
+                else None
+            ),
+            velocity=leaves.write(cast_like(new_vs, vs), per_worker=True),
+            server_error=server.write(leaves, new_ms, ms),
         )
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state

@@ -20,9 +20,11 @@ from compjax.transforms.base import (
     ServerMemory,
     any_non_finite,
     check_grouping,
+    check_state_dtype,
     counted,
     guarded,
     init_key,
+    state_zeros,
     step_keys,
 )
 
@@ -54,6 +56,7 @@ def diana(
     bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """DIANA: ``m_i = C(g_i - h_i)``, update ``h + mean_i m_i``, ``h_i <- h_i + alpha m_i``.
 
@@ -78,10 +81,15 @@ def diana(
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
         then keeps the shard owners' error memory in ``server_error``) or
         :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
+      state_dtype: dtype of the persistent state (see
+        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 (or the
+        parameters' dtype where wider) even for bfloat16/float16 gradients;
+        messages and updates keep the gradient's dtype.
 
     Raises:
-      ValueError: ``alpha`` not in ``(0, 1]``, or ``alpha=None`` with a
-        compressor that has no ``omega``.
+      ValueError: ``alpha`` not in ``(0, 1]``, ``alpha=None`` with a
+        compressor that has no ``omega``, or an invalid ``bucket_size`` or
+        ``state_dtype``.
 
     References:
       Mishchenko et al., "Distributed Learning with Compressed Gradient
@@ -98,7 +106,8 @@ def diana(
     def step_size(d: int):
         return 1.0 / (comp.omega(d) + 1.0) if alpha is None else alpha
 
-    server = ServerMemory(comp, exchange)
+    state_dtype = check_state_dtype(state_dtype)
+    server = ServerMemory(comp, exchange, state_dtype)
 
     check_grouping(flatten, bucket_size)
 
@@ -106,8 +115,8 @@ def diana(
         leaves = Leaves(params, flatten, bucket_size)
         return DianaState(
             key=init_key(seed),
-            local_shift=leaves.worker_state(),
-            shift=leaves.shared_state(),
+            local_shift=leaves.worker_state(state_zeros(state_dtype)),
+            shift=leaves.shared_state(state_zeros(state_dtype)),
             server_error=server.init(leaves),
         )
 
@@ -121,16 +130,16 @@ def diana(
         out, new_local, new_shift, new_memories = [], [], [], []
         for k, g, hi, h, mem in zip(keys, leaves.arrays, local, shift, memories, strict=True):
             a = step_size(g.size)
-            m = compressed_mean(comp, k, g - hi, axis_name, exchange, mem)
+            m = compressed_mean(comp, k, (g - hi).astype(g.dtype), axis_name, exchange, mem)
             new_memories.append(m.memory)
-            out.append(h + m.mean)
+            out.append((h + m.mean).astype(g.dtype))
             new_local.append((hi + a * m.local).astype(hi.dtype))
             new_shift.append((h + a * m.mean).astype(h.dtype))
         new_state = DianaState(
             key=key,
             local_shift=leaves.write(new_local, per_worker=True),
             shift=leaves.write(new_shift, per_worker=False),
-            server_error=server.write(leaves, new_memories),
+            server_error=server.write(leaves, new_memories, memories),
         )
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state

@@ -19,10 +19,13 @@ from compjax.transforms.base import (
     Leaves,
     ServerMemory,
     any_non_finite,
+    cast_like,
     check_grouping,
+    check_state_dtype,
     counted,
     guarded,
     init_key,
+    state_zeros,
     step_keys,
 )
 
@@ -53,6 +56,7 @@ def ef21(
     bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """EF21: ``c_i = C(grad_i - g_i)``, ``g_i <- g_i + c_i``, ``g <- g + mean_i c_i``.
 
@@ -73,13 +77,21 @@ def ef21(
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
         then keeps the shard owners' error memory in ``server_error``) or
         :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
+      state_dtype: dtype of the persistent state (see
+        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 (or the
+        parameters' dtype where wider) even for bfloat16/float16 gradients;
+        messages and updates keep the gradient's dtype.
+
+    Raises:
+      ValueError: ``bucket_size`` or ``state_dtype`` invalid.
 
     References:
       Richtarik et al., "EF21: A New, Simpler, Theoretically Better, and
       Practically Faster Error Feedback", NeurIPS 2021.
     """
 
-    server = ServerMemory(comp, exchange)
+    state_dtype = check_state_dtype(state_dtype)
+    server = ServerMemory(comp, exchange, state_dtype)
 
     check_grouping(flatten, bucket_size)
 
@@ -87,8 +99,8 @@ def ef21(
         leaves = Leaves(params, flatten, bucket_size)
         return EF21State(
             key=init_key(seed),
-            local=leaves.worker_state(),
-            estimate=leaves.shared_state(),
+            local=leaves.worker_state(state_zeros(state_dtype)),
+            estimate=leaves.shared_state(state_zeros(state_dtype)),
             server_error=server.init(leaves),
         )
 
@@ -102,17 +114,18 @@ def ef21(
         new_local, new_estimate, new_memories = [], [], []
         rows = zip(keys, leaves.arrays, local, estimate, memories, strict=True)
         for k, g, gi, gs, m in rows:
-            c = compressed_mean(comp, k, g - gi, axis_name, exchange, m)
+            c = compressed_mean(comp, k, (g - gi).astype(g.dtype), axis_name, exchange, m)
             new_local.append(gi + c.local)
             new_estimate.append(gs + c.mean)
             new_memories.append(c.memory)
         new_state = EF21State(
             key=key,
-            local=leaves.write(new_local, per_worker=True),
-            estimate=leaves.write(new_estimate, per_worker=False),
-            server_error=server.write(leaves, new_memories),
+            local=leaves.write(cast_like(new_local, local), per_worker=True),
+            estimate=leaves.write(cast_like(new_estimate, estimate), per_worker=False),
+            server_error=server.write(leaves, new_memories, memories),
         )
-        new_estimate, new_state = guarded(bad, new_estimate, new_state, state)
-        return leaves.rebuild(new_estimate), new_state
+        out = cast_like(new_estimate, leaves.arrays)  # the update, in the gradient's dtype
+        out, new_state = guarded(bad, out, new_state, state)
+        return leaves.rebuild(out), new_state
 
     return optax.GradientTransformation(init_fn, counted(update_fn))

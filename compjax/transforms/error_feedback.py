@@ -20,10 +20,13 @@ from compjax.transforms.base import (
     Leaves,
     ServerMemory,
     any_non_finite,
+    cast_like,
     check_grouping,
+    check_state_dtype,
     counted,
     guarded,
     init_key,
+    state_zeros,
     step_keys,
 )
 
@@ -52,6 +55,7 @@ def error_feedback(
     bucket_size: int | None = None,
     seed: int = 0,
     exchange: str | Exchange = "all_gather",
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """EF-SGD: ``p_i = g_i + e_i``, send ``C(p_i)``, keep ``e_i <- p_i - C(p_i)``.
 
@@ -74,20 +78,30 @@ def error_feedback(
         ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
         then keeps the shard owners' error memory in ``server_error``) or
         :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
+      state_dtype: dtype of the persistent state (see
+        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 (or the
+        parameters' dtype where wider) even for bfloat16/float16 gradients;
+        messages and updates keep the gradient's dtype.
+
+    Raises:
+      ValueError: ``bucket_size`` or ``state_dtype`` invalid.
 
     References:
       Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
       Compression Schemes", ICML 2019.
     """
 
-    server = ServerMemory(comp, exchange)
+    state_dtype = check_state_dtype(state_dtype)
+    server = ServerMemory(comp, exchange, state_dtype)
 
     check_grouping(flatten, bucket_size)
 
     def init_fn(params):
         leaves = Leaves(params, flatten, bucket_size)
         return ErrorFeedbackState(
-            key=init_key(seed), error=leaves.worker_state(), server_error=server.init(leaves)
+            key=init_key(seed),
+            error=leaves.worker_state(state_zeros(state_dtype)),
+            server_error=server.init(leaves),
         )
 
     def update_fn(updates, state, params=None):
@@ -98,15 +112,15 @@ def error_feedback(
         key, keys = step_keys(state.key, len(leaves.arrays))
         out, new_errors, new_memories = [], [], []
         for k, g, e, m in zip(keys, leaves.arrays, errors, memories, strict=True):
-            p = g + e
-            sent = compressed_mean(comp, k, p, axis_name, exchange, m)
+            p = g + e  # in the state's precision; sent in the gradient's dtype
+            sent = compressed_mean(comp, k, p.astype(g.dtype), axis_name, exchange, m)
             out.append(sent.mean)
             new_errors.append(p - sent.local)
             new_memories.append(sent.memory)
         new_state = ErrorFeedbackState(
             key=key,
-            error=leaves.write(new_errors, per_worker=True),
-            server_error=server.write(leaves, new_memories),
+            error=leaves.write(cast_like(new_errors, errors), per_worker=True),
+            server_error=server.write(leaves, new_memories, memories),
         )
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state

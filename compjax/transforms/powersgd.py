@@ -21,9 +21,11 @@ from compjax.collectives import AxisName, num_workers, psum, record, unrecorded
 from compjax.transforms.base import (
     Leaves,
     any_non_finite,
+    check_state_dtype,
     counted,
     guarded,
     init_key,
+    state_zeros,
 )
 
 
@@ -34,7 +36,9 @@ class PowerSGDState(NamedTuple):
       count: steps taken (int32), for ``start_iter``.
       error: per-worker error memory ``e_i`` (zero for leaves sent uncompressed).
       q: shared right factors ``Q`` of the compressed leaves, warm-started
-        (leaf order; an empty array for leaves sent uncompressed).
+        (leaf order; ``None`` for leaves sent uncompressed: an empty pytree
+        node, which ``state_specs`` and orbax-checkpoint pass through, where a
+        zero-size array cannot be saved).
     """
 
     count: jax.Array
@@ -94,6 +98,7 @@ def powersgd(
     orthogonalization_epsilon: float = 0.0,
     seed: int = 0,
     channels_last: bool = True,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """PowerSGD with error feedback and warm start; the update is the rank-``r`` mean.
 
@@ -125,10 +130,15 @@ def powersgd(
       channels_last: kernels of 3+ dimensions have their output channels last
         (flax/JAX, ``(kh, kw, cin, cout)``); ``False`` for PyTorch's
         ``(cout, cin, kh, kw)``.
+      state_dtype: dtype of the error memory (see
+        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 (or the
+        parameters' dtype where wider) even for bfloat16/float16 gradients.
+        ``P`` and ``Q`` are float32 either way; updates keep the gradient's
+        dtype.
 
     Raises:
-      ValueError: ``rank < 1``, ``start_iter < 0``, ``min_compression_rate < 1``
-        or a negative epsilon.
+      ValueError: ``rank < 1``, ``start_iter < 0``, ``min_compression_rate < 1``,
+        a negative epsilon or an invalid ``state_dtype``.
 
     References:
       Vogels et al., "PowerSGD: Practical Low-Rank Gradient Compression for
@@ -144,6 +154,7 @@ def powersgd(
         raise ValueError(
             f"orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}"
         )
+    state_dtype = check_state_dtype(state_dtype)
 
     def plan(shape) -> int:
         """The rank used for a leaf of ``shape``, 0 if it is sent uncompressed."""
@@ -154,7 +165,7 @@ def powersgd(
     def initial_q(key, shape):
         r = plan(shape)
         if not r:
-            return jnp.zeros((0,), jnp.float32)
+            return None
         cols = matrix_view(shape, channels_last)[1]
         return orthogonalize(jax.random.normal(key, (cols, r)), orthogonalization_epsilon)
 
@@ -162,7 +173,8 @@ def powersgd(
         leaves = Leaves(params, flatten=False)
         keys = jax.random.split(init_key(seed), max(len(leaves.arrays), 1))
         q = tuple(initial_q(k, a.shape) for k, a in zip(keys, leaves.arrays, strict=False))
-        return PowerSGDState(count=jnp.zeros([], jnp.int32), error=leaves.worker_state(), q=q)
+        error = leaves.worker_state(state_zeros(state_dtype))
+        return PowerSGDState(count=jnp.zeros([], jnp.int32), error=error, q=q)
 
     def dense_mean(g, n):
         record("dense", g.astype(jnp.float32), "all_reduce", axis_name)
@@ -171,19 +183,20 @@ def powersgd(
     def low_rank(g, e, q, n):
         rows, cols = matrix_view(g.shape, channels_last)
         m = g.reshape(rows, cols).astype(jnp.float32) + e.reshape(rows, cols)
-        p = m @ q
+        p = (m @ q).astype(jnp.float32)  # P and Q travel in float32 whatever e's dtype
         record("P", p, "all_reduce", axis_name)
         p = orthogonalize(psum(p, axis_name), orthogonalization_epsilon)
-        q_new = m.T @ p
+        q_new = (m.T @ p).astype(jnp.float32)
         record("Q", q_new, "all_reduce", axis_name)
         q_new = psum(q_new, axis_name) / n
-        approx = p @ q_new.T
-        return approx.reshape(g.shape).astype(g.dtype), (m - approx).reshape(e.shape), q_new
+        # The update as delivered (in g's dtype): what it rounds away stays in the memory.
+        approx = (p @ q_new.T).astype(g.dtype)
+        return approx.reshape(g.shape), (m - approx).reshape(e.shape), q_new
 
     def compressed_step(arrays, errors, qs, n):
         out, new_errors, new_qs = [], [], []
         for g, e, q in zip(arrays, errors, qs, strict=True):
-            if q.size == 0:
+            if q is None:
                 out.append(dense_mean(g, n))
                 new_errors.append(e)
                 new_qs.append(q)

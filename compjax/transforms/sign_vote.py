@@ -14,7 +14,16 @@ from typing import Any, NamedTuple
 import optax
 
 from compjax.collectives import AxisName, sign_vote
-from compjax.transforms.base import Leaves, any_non_finite, check_grouping, counted, guarded
+from compjax.transforms.base import (
+    Leaves,
+    any_non_finite,
+    cast_like,
+    check_grouping,
+    check_state_dtype,
+    counted,
+    guarded,
+    state_zeros,
+)
 
 _VIA = ("all_gather", "psum", "scatter_gather")
 
@@ -37,6 +46,7 @@ def sign_majority_vote(
     via: str = "all_gather",
     flatten: bool = False,
     bucket_size: int | None = None,
+    state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Each worker sends ``sign(g_i)`` (or the sign of its momentum); the update is the vote.
 
@@ -61,9 +71,14 @@ def sign_majority_vote(
       bucket_size: compress the flattened tree in buckets of this many
         entries (one message and one scale per bucket) instead of leaf by
         leaf; ``None``: per leaf.
+      state_dtype: dtype of Signum's momenta (see
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
+        the parameters' dtype where wider) even for bfloat16/float16
+        gradients; the vote is returned in the gradient's dtype.
 
     Raises:
-      ValueError: ``momentum`` outside ``[0, 1)`` or an unknown ``via``.
+      ValueError: ``momentum`` outside ``[0, 1)``, an unknown ``via`` or an
+        invalid ``state_dtype``.
 
     References:
       Bernstein et al., "signSGD with Majority Vote is Communication Efficient
@@ -75,11 +90,13 @@ def sign_majority_vote(
         raise ValueError(f"via must be one of {_VIA}, got {via!r}")
 
     check_grouping(flatten, bucket_size)
+    state_dtype = check_state_dtype(state_dtype)
 
     def init_fn(params):
         if momentum is None:
             return SignVoteState(momentum=None)
-        return SignVoteState(momentum=Leaves(params, flatten, bucket_size).worker_state())
+        leaves = Leaves(params, flatten, bucket_size)
+        return SignVoteState(momentum=leaves.worker_state(state_zeros(state_dtype)))
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten, bucket_size)
@@ -91,8 +108,10 @@ def sign_majority_vote(
             voted = [
                 momentum * v + (1.0 - momentum) * g for v, g in zip(old, leaves.arrays, strict=True)
             ]
+            voted = cast_like(voted, old)
             new_state = SignVoteState(momentum=leaves.write(voted, per_worker=True))
         out = [sign_vote(v, axis_name, via) for v in voted]
+        out = cast_like(out, leaves.arrays)  # the vote in the gradient's dtype
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state
 
