@@ -35,6 +35,8 @@ BUILDERS = {
     "terngrad_allreduce": lambda: compjax.terngrad_allreduce("data"),
     "variance_based": lambda: compjax.variance_based("data", budget=0.5),
     "strom_threshold": lambda: compjax.strom_threshold("data", 0.05, budget=0.5),
+    # Compressed from the third step on: the checkpoint holds both error memories.
+    "onebit_adam": lambda: compjax.scale_by_onebit_adam("data", freeze_step=2),
 }
 #: Transformations whose input is per-example gradients.
 PER_EXAMPLE = {"variance_based"}

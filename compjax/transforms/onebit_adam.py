@@ -203,7 +203,7 @@ def scale_by_onebit_adam(
         mus = leaves.read(state.mu, "mu", per_worker=False)
         nus = leaves.read(state.nu, "nu", per_worker=False)
         errors = leaves.read(state.error, "error", per_worker=True)
-        memories = server.read(leaves, state.server_error)
+        old_memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))
 
         # The branches are new closures at every trace: lax.cond caches a traced
@@ -242,14 +242,14 @@ def scale_by_onebit_adam(
             mus,
             nus,
             errors,
-            memories,
+            old_memories,
         )
         new_state = OnebitAdamState(
             count=state.count + 1,
             mu=leaves.write(mus, per_worker=False),
             nu=leaves.write(nus, per_worker=False),
             error=leaves.write(errors, per_worker=True),
-            server_error=server.write(leaves, memories),
+            server_error=server.write(leaves, memories, old_memories),
             key=key,
         )
         out = [o.astype(g.dtype) for o, g in zip(out, leaves.arrays, strict=True)]
