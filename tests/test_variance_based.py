@@ -255,6 +255,20 @@ def test_non_finite_step_keeps_the_bit_counter(tx):
     np.testing.assert_array_equal(states[2].bits_sent, states[1].bits_sent)
 
 
+def test_gradients_near_the_float32_limit_keep_the_accumulators_finite():
+    """Squares above 3.4e38 saturate v; the batch mean of 3e38 and 2e38 does not overflow."""
+    tx = variance_based(None, ALPHA, ZETA, budget=1.0)
+    g = {"x": jnp.array([[3e38, 1e20, -2.0], [2e38, 1e20, 2.0]], jnp.float32)}
+    upd, state = single(tx)(g, tx.init({"x": jnp.zeros(3)}))
+    assert np.all(np.isfinite(state.v["x"])) and np.all(np.isfinite(state.r["x"]))
+    # Saturated at the float32 maximum (not Inf), then decayed: nothing was sent.
+    assert state.v["x"][0, 0] == np.float32(ZETA) * np.finfo(np.float32).max
+    # Exactly, r^2 / v is 1.92 and 2 for coordinates 0 and 1: not above alpha = 2, so they
+    # wait; coordinate 2 has mean 0.  Nothing is sent and nothing is lost.
+    np.testing.assert_array_equal(upd["x"], [0, 0, 0])
+    np.testing.assert_array_equal(state.r["x"][0], np.array([2.5e38, 1e20, 0], np.float32))
+
+
 @functools.cache
 def single(tx):
     return jax.jit(tx.update)

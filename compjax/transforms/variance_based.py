@@ -12,6 +12,7 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -148,6 +149,24 @@ def per_example_grads(loss_fn: Callable, params: Any, *batch: Any) -> Any:
     return jax.vmap(one, in_axes=(None, *([0] * len(batch))))(params, *batch)
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _batch_moments(g: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(mean_b g_b, min(mean_b g_b^2 / B, float32 max))`` of per-example gradients, in float32.
+
+    Without overflow for any finite input: the mean sums ``g_b 2^-k`` with
+    ``2^k >= B`` (a power-of-two scaling, exact in the normal range) and the
+    variance estimate saturates at the float32 maximum (squares of entries
+    above ``1.8e19`` overflow) instead of making ``v`` infinite.
+    """
+    g = g.astype(jnp.float32)
+    shrink = 2.0 ** -math.ceil(math.log2(size)) if size > 1 else 1.0
+    mean = jnp.sum(g * shrink, axis=0) / (size * shrink)
+    square = jnp.minimum(jnp.mean(jnp.square(g), axis=0) / size, _F32_MAX)
+    return mean, square
+
+
 def _batch_size(updates: Any) -> int:
     leaves = jax.tree.leaves(updates)
     sizes = {np.shape(g)[0] if np.ndim(g) else None for g in leaves}
@@ -265,12 +284,10 @@ def variance_based(
     def update_fn(updates, state, params=None):
         size = _batch_size(updates)
         bad = any_non_finite(jax.tree.leaves(updates), axis_name)
-        means = jax.tree.map(lambda g: jnp.mean(g.astype(jnp.float32), axis=0), updates)
-        squares = jax.tree.map(
-            lambda g: jnp.mean(jnp.square(g.astype(jnp.float32)), axis=0) / size, updates
-        )
-        leaves = Leaves(means, flatten)
-        sq = Leaves(squares, flatten).arrays
+        moments = [_batch_moments(g, size) for g in jax.tree.leaves(updates)]
+        treedef = jax.tree.structure(updates)
+        leaves = Leaves(jax.tree.unflatten(treedef, [m for m, _ in moments]), flatten)
+        sq = Leaves(jax.tree.unflatten(treedef, [s for _, s in moments]), flatten).arrays
         rs = leaves.read(state.r, "r", per_worker=True)
         vs = leaves.read(state.v, "v", per_worker=True)
         n = num_workers(axis_name)
@@ -285,7 +302,7 @@ def variance_based(
                 new_v.append(v)
                 continue
             r_acc = (r + m).reshape(-1)
-            v_acc = (v + s).reshape(-1)
+            v_acc = jnp.minimum(v + s, _F32_MAX).reshape(-1)
             payload, idx, q, send = _vb_encode(r_acc, v_acc, alpha, slots)
             record("payload", payload, "all_gather", axis_name)
             indices, values = jax.vmap(functools.partial(_vb_decode, slots=slots))(
