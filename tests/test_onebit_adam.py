@@ -385,6 +385,15 @@ def test_non_finite_gradient_keeps_the_whole_state(vmapped, step):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_gradient_near_the_float32_limit_keeps_the_variance_finite():
+    """The warm-up's mean^2 overflows float32 above 1.8e19: nu saturates instead of Inf."""
+    grads = jax.tree.map(lambda g: jnp.full_like(g, 1e30), GRADS[0])
+    outs, states, _ = run_vmap(compjax.scale_by_onebit_adam("data", FREEZE), [grads])
+    for a in jax.tree.leaves(states[-1].nu):
+        np.testing.assert_array_equal(a, np.finfo(np.float32).max)
+    assert all(np.all(np.isfinite(u)) for u in jax.tree.leaves(outs[0]))
+
+
 def test_communication_counts_the_compressed_phase():
     params = {"w": jnp.zeros((100, 3)), "b": jnp.zeros(5)}
     n = 4

@@ -277,6 +277,15 @@ def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:
     return next_key, list(jax.random.split(step, num))
 
 
+def saturated(x: jax.Array) -> jax.Array:
+    """A non-negative accumulator (sums of squares) capped at its dtype's largest finite value.
+
+    Squares of finite entries above the square root of that value overflow;
+    capping keeps such state finite (it only ever means "very large").
+    """
+    return jnp.minimum(x, jnp.finfo(x.dtype).max)
+
+
 def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
 

@@ -47,6 +47,7 @@ from compjax.transforms.base import (
     counted,
     guarded,
     init_key,
+    saturated,
     step_keys,
 )
 
@@ -214,7 +215,7 @@ def scale_by_onebit_adam(
                 for k, g, m, v in zip(keys, grads, mus, nus, strict=True):
                     mean = compressed_mean(dense, k, g, axis_name).mean.astype(jnp.float32)
                     m = b1 * m + (1.0 - b1) * mean
-                    v = b2 * v + (1.0 - b2) * jnp.square(mean)
+                    v = saturated(b2 * v + (1.0 - b2) * jnp.square(mean))
                     out.append(m / (jnp.sqrt(v) + eps))
                     new_mus.append(m)
                     new_nus.append(v)

@@ -31,6 +31,7 @@ from compjax.transforms.base import (
     check_state_dtype,
     counted,
     guarded,
+    saturated,
     state_zeros,
 )
 from compjax.transforms.padded_sparse import (
@@ -149,9 +150,6 @@ def per_example_grads(loss_fn: Callable, params: Any, *batch: Any) -> Any:
     return jax.vmap(one, in_axes=(None, *([0] * len(batch))))(params, *batch)
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
 def _batch_moments(g: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     """``(mean_b g_b, min(mean_b g_b^2 / B, float32 max))`` of per-example gradients, in float32.
 
@@ -163,7 +161,7 @@ def _batch_moments(g: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
     g = g.astype(jnp.float32)
     shrink = 2.0 ** -math.ceil(math.log2(size)) if size > 1 else 1.0
     mean = jnp.sum(g * shrink, axis=0) / (size * shrink)
-    square = jnp.minimum(jnp.mean(jnp.square(g), axis=0) / size, _F32_MAX)
+    square = saturated(jnp.mean(jnp.square(g), axis=0) / size)
     return mean, square
 
 
@@ -302,7 +300,7 @@ def variance_based(
                 new_v.append(v)
                 continue
             r_acc = (r + m).reshape(-1)
-            v_acc = jnp.minimum(v + s, _F32_MAX).reshape(-1)
+            v_acc = saturated(v + s).reshape(-1)
             payload, idx, q, send = _vb_encode(r_acc, v_acc, alpha, slots)
             record("payload", payload, "all_gather", axis_name)
             indices, values = jax.vmap(functools.partial(_vb_decode, slots=slots))(
