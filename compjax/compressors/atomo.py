@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax.compressor import Compressor, bernoulli
+from compjax.numerics import ldexp, unit_scale
 
 
 def water_fill(magnitudes: jax.Array, budget: float) -> jax.Array:
@@ -45,6 +46,10 @@ def water_fill(magnitudes: jax.Array, budget: float) -> jax.Array:
     d = m.shape[0]
     if d == 0:
         return m
+    # p is scale-free: bring max m into [1, 2) exactly, so that neither the sum
+    # of magnitudes overflows nor the reciprocal of that sum flushes to zero.
+    e, _ = unit_scale(jnp.max(m))
+    m = ldexp(m, -e)
     order = jnp.argsort(-m)
     desc = m[order]
     tail = jnp.cumsum(desc[::-1])[::-1]  # tail[j] = sum_{i >= j} desc[i]
@@ -85,7 +90,7 @@ class Atomo(Compressor):
     budget: float = 1.0
     unbiased = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         d = flat.shape[0]
         p = water_fill(jnp.abs(flat), self.budget)
         idx = _kept_slots(key, p, capacity(self.budget, d))
@@ -127,10 +132,11 @@ class AtomoSVD(Compressor):
         x = self.check(key, x)
         rows, cols = matrix_shape(x.shape)
         m = x.astype(jnp.float32).reshape(rows, cols)
-        # Factorise m / max|m| so that entries near the float32 limit cannot overflow.
-        top = jnp.max(jnp.abs(m), initial=0.0)
-        u, s, vt = jnp.linalg.svd(m / jnp.where(top > 0, top, 1.0), full_matrices=False)
-        s = s * top
+        # Factorise m 2**-e, 2**e <= max|m| < 2**(e+1) (an exact scaling), so that
+        # entries near the float32 limit neither overflow nor flush to zero.
+        e, _ = unit_scale(jnp.max(jnp.abs(m), initial=0.0))
+        u, s, vt = jnp.linalg.svd(ldexp(m, -e), full_matrices=False)
+        s = ldexp(s, e)
         rank = s.shape[0]
         p = water_fill(s, self.budget)
         idx = _kept_slots(key, p, capacity(self.budget, rank))
