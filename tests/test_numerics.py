@@ -185,3 +185,31 @@ def test_float16_saturation_is_documented_bias():
     x = jnp.asarray([30000.0, 0.0, 0.0, 0.0], jnp.float16)
     draws = draw(compjax.rand_k(k=1), x, n=2000)
     assert set(np.unique(draws[:, 0])) == {0.0, 65504.0}  # 4 * 30000 = 120000 saturates
+
+
+@partial(jax.jit, static_argnums=(0, 2))
+def _qsgd_bracket(comp, x, dtype):
+    """QSGD's bracket on ``x`` (one bucket) and the decoded values of its two levels."""
+    norm = compjax.compressor.safe_norm(x)
+    mag = jnp.abs(x)
+    lo, hi, p = comp.bracket(mag, norm, dtype)
+    return mag, lo, hi, p, comp.grid(norm, lo, dtype), comp.grid(norm, hi, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
+@pytest.mark.parametrize("levels", [1, 3, 7, 41, 1000, 12345])
+def test_qsgd_brackets_each_entry_between_neighbouring_decoded_levels(levels, dtype):
+    """``V(lo) <= |x| <= V(lo + 1)`` and ``V(lo) + p (V(hi) - V(lo)) = |x|``: the expected
+    decode is exactly ``|x|``, on inputs with ties, near-grid values and wide ranges."""
+    comp = compjax.qsgd(levels)
+    rng = np.random.default_rng(levels)
+    for trial in range(6):
+        x = rng.standard_normal(64) * 10.0 ** rng.integers(-3, 4)
+        if trial % 2:
+            x = rng.choice([-1.5, 0.25, 1.0, 41.0], 64) * 10.0 ** rng.integers(-3, 3)
+        x = jnp.asarray(jnp.asarray(x, dtype), jnp.float32)
+        mag, lo, hi, p, v_lo, v_hi = map(np.asarray, _qsgd_bracket(comp, x, dtype))
+        assert np.all((hi - lo == 1) | ((hi == lo) & (lo == levels)))
+        assert np.all((v_lo <= mag) & (mag <= v_hi) & (p >= 0) & (p <= 1))
+        mean = v_lo.astype(np.float64) + p * (v_hi.astype(np.float64) - v_lo)
+        np.testing.assert_allclose(mean, mag, rtol=1e-6, atol=0)

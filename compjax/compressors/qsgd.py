@@ -82,8 +82,8 @@ class QSGD(Compressor):
         frac = jnp.where(top, 1.0, level.astype(jnp.float32) * np.float32(1.0 / self.levels))
         return round_to(norm * frac, dtype)
 
-    def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype) -> jax.Array:
-        """Levels (int32) for magnitudes ``mag <= norm``, unbiased on the decoded grid.
+    def bracket(self, mag: jax.Array, norm: jax.Array, dtype):
+        """``(lo, hi, p)``: levels around magnitudes ``mag <= norm`` and the chance of ``hi``.
 
         With ``V(l) = grid(norm, l)``, pick ``lo`` with ``V(lo) <= mag <= V(hi)``,
         ``hi = lo + 1``, and send ``hi`` with probability
@@ -110,7 +110,13 @@ class QSGD(Compressor):
         hi, v_hi = jnp.where(v_hi < mag, s, hi), jnp.where(v_hi < mag, top, v_hi)
         gap = v_hi > v_lo
         p = (y - ldexp(v_lo, -e)) / jnp.where(gap, ldexp(v_hi - v_lo, -e), 1.0)
-        return jnp.where(bernoulli(key, jnp.where(gap, p, 0.0)), hi, lo)
+        return lo, hi, jnp.where(gap, p, 0.0)
+
+    def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype) -> jax.Array:
+        """Levels (int32) for magnitudes ``mag <= norm``, unbiased on the decoded grid
+        (:meth:`bracket`)."""
+        lo, hi, p = self.bracket(mag, norm, dtype)
+        return jnp.where(bernoulli(key, p), hi, lo)
 
     def encode(self, key, flat, dtype):
         d = flat.shape[0]
