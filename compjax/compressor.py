@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.numerics import divide, ldexp, to_dtype, unit_scale
+from compjax.numerics import divide, ldexp, round_to, to_dtype, unit_scale
 from compjax.payload import Payload
 
 
@@ -168,6 +168,24 @@ def bernoulli(key, p: jax.Array) -> jax.Array:
     scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
     threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
     return (bits < threshold) | (p >= 1.0)
+
+
+def stochastic_round(key, y: jax.Array, dtype) -> jax.Array:
+    """Float32 ``y`` rounded onto ``dtype``'s grid at random, unbiased, as float32.
+
+    Each entry becomes one of its two neighbours in ``dtype`` with the
+    probabilities that keep ``E = y``, so the cast in :meth:`Compressor.finish`
+    is exact.  The identity for float32; values beyond the dtype's largest
+    finite value saturate there (biased).
+    """
+    if np.dtype(dtype).itemsize >= 4:
+        return y
+    near = round_to(y, dtype)
+    limit = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    toward = jnp.nextafter(near.astype(dtype), jnp.where(y > near, limit, -limit))
+    other = toward.astype(jnp.float32)
+    p = divide(jnp.abs(y - near), jnp.abs(other - near))
+    return jnp.where(bernoulli(key, p), other, near)
 
 
 def raw_key(key) -> jax.Array:

@@ -213,3 +213,20 @@ def test_qsgd_brackets_each_entry_between_neighbouring_decoded_levels(levels, dt
         assert np.all((v_lo <= mag) & (mag <= v_hi) & (p >= 0) & (p <= 1))
         mean = v_lo.astype(np.float64) + p * (v_hi.astype(np.float64) - v_lo)
         np.testing.assert_allclose(mean, mag, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_atomo_rescaled_values_are_unbiased_in_low_precision(dtype):
+    """Given that entry i is kept, its decode averages to ``x_i / p_i`` (rounded at random
+    onto the dtype's grid, not to the nearest value)."""
+    from compjax.compressors.atomo import water_fill
+
+    x = jnp.asarray(VEC16, dtype)
+    p = np.asarray(water_fill(jnp.abs(x.astype(jnp.float32)), 8.0), np.float64)
+    draws = draw(compjax.atomo(budget=8.0), x, n=20_000, seed=3)
+    target = np.asarray(x, np.float64) / p
+    for i in range(16):
+        kept = draws[draws[:, i] != 0, i][:, None]
+        assert len(kept) > 1000
+        assert_mean_is(kept, target[i])
+        assert_sharp(assert_mean_is, kept, target[i], (1 - 2**-10, 1 + 2**-10))

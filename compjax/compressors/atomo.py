@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax.compressor import Compressor, bernoulli
+from compjax.compressor import Compressor, bernoulli, stochastic_round
 from compjax.numerics import ldexp, unit_scale
 
 
@@ -97,6 +97,8 @@ class Atomo(Compressor):
         safe = jnp.minimum(idx, max(d - 1, 0))
         used = idx < d
         values = jnp.where(used, flat[safe] / jnp.where(used, p[safe], 1.0), 0.0)
+        # Decoding rounds to the input dtype: round onto its grid here, unbiased.
+        values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
         return {"indices": idx, "values": values}, {}
 
     def decode(self, wire, side, n, dtype):
@@ -185,6 +187,10 @@ def atomo(budget: float) -> Atomo:
     With ``s = ||x||_1 / ||x||_inf`` the probabilities are TernGrad's, with
     ``s = ||x||_1 / ||x||_2`` QSGD's at one level.
 
+    For bfloat16/float16 inputs each rescaled value is rounded onto the
+    input dtype's grid at random (unbiased), so decoding's cast is exact
+    (float16 values beyond 65504 saturate, biased).
+
     Wire format: a fixed number of slots, :func:`capacity` ``(s, d)``, of int32
     indices and float32 rescaled values; unused slots carry index ``d`` and
     value 0.  ``bits`` counts those slots; ``expected_bits`` gives the
@@ -207,6 +213,9 @@ def atomo_svd(budget: float) -> AtomoSVD:
     ``(u_i, v_i, sigma_i / p_i)``.  Unbiased with variance
     ``sum_i sigma_i^2 (1/p_i - 1)``; on gradients of low effective rank this is
     far below entrywise ATOMO's at the same bits.
+
+    In bfloat16/float16 the decoded product is rounded to the input dtype,
+    deterministically: unbiased only up to that rounding (half an ulp).
 
     Wire format: :func:`capacity` ``(s, rank)`` slots of a left vector, a right
     vector and a float32 scale (unused slots zero): ``32 (rows + cols + 1)``
