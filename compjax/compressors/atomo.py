@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from compjax.compressor import Compressor, bernoulli, stochastic_round
 from compjax.numerics import ldexp, unit_scale
@@ -97,8 +98,8 @@ class Atomo(Compressor):
         safe = jnp.minimum(idx, max(d - 1, 0))
         used = idx < d
         values = jnp.where(used, flat[safe] / jnp.where(used, p[safe], 1.0), 0.0)
-        # Decoding rounds to the input dtype: round onto its grid here, unbiased.
-        values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
+        if np.dtype(dtype).itemsize < 4:  # decoding rounds: round onto the grid here, unbiased
+            values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
         return {"indices": idx, "values": values}, {}
 
     def decode(self, wire, side, n, dtype):
