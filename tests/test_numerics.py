@@ -230,3 +230,37 @@ def test_atomo_rescaled_values_are_unbiased_in_low_precision(dtype):
         assert len(kept) > 1000
         assert_mean_is(kept, target[i])
         assert_sharp(assert_mean_is, kept, target[i], (1 - 2**-10, 1 + 2**-10))
+
+
+# Relative half-ulp of the normal range: the decoded levels' rounding.
+HALF_ULP = {jnp.bfloat16: 2.0**-8, jnp.float16: 2.0**-11}
+
+
+def qsgd_low_precision_omega(comp, d, dtype):
+    """QSGD's documented variance constant in bf16/fp16 (decoded levels in the normal range):
+    ``omega(d) + eps (1 + eps) sqrt(d) / s + eps^2``, eps the dtype's relative half-ulp."""
+    eps = HALF_ULP[dtype]
+    return comp.omega(d) + eps * (1 + eps) * np.sqrt(d) / comp.levels + eps**2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_qsgd_low_precision_variance_bound(dtype):
+    """The exact variance ``sum (V(hi) - |x|)(|x| - V(lo))`` from the bracket stays within
+    the documented constant, and exceeds the float32 ``omega`` somewhere (so the extra
+    term is needed, and the check is sharp)."""
+    rng = np.random.default_rng(7)
+    worst_ratio = 0.0
+    for levels in (1, 2, 4, 100):
+        comp = compjax.qsgd(levels)
+        for trial in range(8):
+            x = rng.standard_normal(64) * 10.0 ** rng.integers(-1, 2)
+            if trial % 2:
+                x = np.full(64, 3.0) + rng.standard_normal(64) * 0.01 * (trial % 3)
+            x = jnp.asarray(jnp.asarray(x, dtype), jnp.float32)
+            mag, _, _, _, v_lo, v_hi = map(np.asarray, _qsgd_bracket(comp, x, dtype))
+            mag, v_lo, v_hi = (a.astype(np.float64) for a in (mag, v_lo, v_hi))
+            var = np.sum((v_hi - mag) * (mag - v_lo))
+            sq = np.sum(mag**2)
+            assert var <= qsgd_low_precision_omega(comp, 64, dtype) * sq * (1 + 1e-6)
+            worst_ratio = max(worst_ratio, var / (comp.omega(64) * sq))
+    assert worst_ratio > 1.0

@@ -178,9 +178,11 @@ def qsgd(levels: int, bucket_size: int | None = None) -> QSGD:
     compressor is unbiased on that grid in float32, bfloat16 and float16
     alike (a float16 norm beyond 65504 saturates, and the levels above 65504
     merge there: still unbiased), and an entry on the grid decodes to itself.
-    In bfloat16/float16 the rounded grid's gaps differ from ``norm / s`` by up
-    to an ulp of the dtype, which the variance bound ``omega`` does not
-    include.
+    In bfloat16/float16 each decoded level is within a relative half-ulp
+    ``eps`` (``2^-8``, ``2^-11``) of ``norm l / s`` (for levels in the dtype's
+    normal range), which adds at most ``eps |x_i| norm / s + eps^2 |x_i|
+    (|x_i| + norm / s)`` to an entry's variance: ``E||Q(x) - x||^2 <=
+    (omega(d) + eps (1 + eps) sqrt(d) / s + eps^2) ||x||^2``, not ``omega(d)``.
 
     Args:
       levels: number of quantisation levels ``s >= 1``.
