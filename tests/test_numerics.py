@@ -169,13 +169,16 @@ def test_unbiased_in_low_precision(name):
 )
 def test_rand_k_rescaled_values_are_unbiased_in_low_precision(comp, dtype):
     """Given that entry i is kept, its decode averages to ``x_i d/k`` (d/k = 3.2 is not
-    exact in bf16/fp16); a kept value's only noise is the choice between neighbours."""
+    exact in bf16/fp16); a kept value's only noise is the choice between two decodes at
+    most 3 ulps apart."""
     x = jnp.asarray(VEC16, dtype)
     draws = draw(comp, x, n=20_000, seed=2)
     target = np.asarray(x, np.float64) * 16 / 5
+    ulp = np.spacing(np.abs(target).astype(dtype)).astype(np.float64)
     for i in range(16):
         kept = draws[draws[:, i] != 0, i][:, None]
         assert len(kept) > 4000
+        assert np.ptp(kept) <= 3 * ulp[i]
         assert_mean_is(kept, target[i])
         assert_sharp(assert_mean_is, kept, target[i], (1 - 2**-10, 1 + 2**-10))
 

@@ -233,10 +233,11 @@ def rand_k(
         input dtype on decoding, so each kept value is first moved to one of
         its neighbours (:func:`dither`) such that the expected decode is
         ``x_i d/k``: unbiased while ``|x_i| d/k`` stays below the dtype's
-        largest value (float16: 65504, beyond which it saturates), with at
-        most a quarter of an output ulp squared of extra variance per kept
-        entry.  With ``shared_seed`` the neighbours are chosen with the
-        shared key, so that choice is the same on every worker.
+        largest value (float16: 65504, beyond which it saturates).  The two
+        decodes chosen between are at most 3 ulps of ``x_i d/k`` apart, so a
+        kept entry gains at most ``(3 ulp)^2 / 4`` of variance.  With
+        ``shared_seed`` the neighbours are chosen with the shared key, so
+        that choice is the same on every worker.
       shared_seed: the indices derive from the key alone, so only the values
         travel (the key is side information every worker holds) and payloads
         of workers that used the same key can be summed before decoding
