@@ -26,10 +26,13 @@ Concrete compressors are final; new behaviour comes from wrapping
 (:func:`compjax.blockwise`, :func:`compjax.chain`, :func:`compjax.scaled`).
 
 Numerics: every compressor computes in float32 (bfloat16 and float16 inputs
-are upcast exactly), computes norms scaled by ``max|x|`` so that inputs near
-the float32 limits do not overflow, maps a zero input to a zero output, and
-casts its output back to the input dtype saturating at that dtype's largest
-finite value (so a float16 input never decodes to Inf through rounding up).
+are upcast exactly), scales by exact powers of two rather than dividing by a
+data-dependent scale (:mod:`compjax.numerics`), so that inputs near the
+float32 limits neither overflow nor flush to zero, maps a zero input to a zero
+output, and casts its output back to the input dtype saturating at that
+dtype's largest finite value (so a float16 input never decodes to Inf through
+rounding up).  Unbiased compressors choose between values of the output
+dtype's grid, so they stay unbiased in bfloat16 and float16.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from compjax.numerics import divide, ldexp, round_to, to_dtype, unit_scale
 from compjax.payload import Payload
 
 
@@ -52,36 +56,25 @@ def _check_input(x) -> jax.Array:
     return x
 
 
-def to_dtype(y: jax.Array, dtype) -> jax.Array:
-    """Cast ``y`` to ``dtype``, saturating at the target's largest finite value."""
-    dtype = np.dtype(dtype)
-    if y.dtype == dtype:
-        return y
-    if jnp.issubdtype(dtype, jnp.floating):
-        limit = float(jnp.finfo(dtype).max)
-        if limit < float(jnp.finfo(y.dtype).max):
-            y = jnp.clip(y, -limit, limit)
-    return y.astype(dtype)
-
-
 def safe_norm(x: jax.Array, axis=None) -> jax.Array:
-    """Euclidean norm computed as ``m * ||x / m||`` with ``m = max|x|``.
+    """Euclidean norm computed as ``2**e ||x 2**-e||`` with ``2**e <= max|x| < 2**(e+1)``
+    (:func:`compjax.numerics.unit_scale`).
 
-    No overflow for entries near the float32 limit and exactly 0 for a zero
+    Scaling by an exact power of two (never dividing by ``max|x|``, see
+    :mod:`compjax.numerics`): no overflow for entries near the float32 limit,
+    exactly ``|x_i|`` for a single nonzero entry, and exactly 0 for a zero
     input (never NaN).
     """
-    m = jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0)
-    safe_m = jnp.where(m > 0, m, 1.0)
-    # x / m, not |x| / m: each full-size intermediate has one consumer, so XLA
-    # fuses it into that consumer instead of materialising |x| (same values).
-    n = jnp.sqrt(jnp.sum(jnp.square(x / safe_m), axis=axis, keepdims=True))
-    out = m * n
+    e, _ = unit_scale(jnp.max(jnp.abs(x), axis=axis, keepdims=True, initial=0.0))
+    # One consumer per full-size intermediate, so XLA fuses the scaling into the sum.
+    n = jnp.sqrt(jnp.sum(jnp.square(ldexp(x, -e)), axis=axis, keepdims=True))
+    out = ldexp(n, e)
     return out.squeeze(axis) if axis is not None else out.reshape(())
 
 
 def safe_divide(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a / b`` with 0 wherever ``b == 0``."""
-    return jnp.where(b > 0, a / jnp.where(b > 0, b, 1.0), 0.0)
+    """``a / b`` with 0 wherever ``b == 0``, exact in range (:func:`compjax.numerics.divide`)."""
+    return divide(a, b)
 
 
 def flatten(x: jax.Array) -> jax.Array:
@@ -177,6 +170,24 @@ def bernoulli(key, p: jax.Array) -> jax.Array:
     return (bits < threshold) | (p >= 1.0)
 
 
+def stochastic_round(key, y: jax.Array, dtype) -> jax.Array:
+    """Float32 ``y`` rounded onto ``dtype``'s grid at random, unbiased, as float32.
+
+    Each entry becomes one of its two neighbours in ``dtype`` with the
+    probabilities that keep ``E = y``, so the cast in :meth:`Compressor.finish`
+    is exact.  The identity for float32; values beyond the dtype's largest
+    finite value saturate there (biased).
+    """
+    if np.dtype(dtype).itemsize >= 4:
+        return y
+    near = round_to(y, dtype)
+    limit = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    toward = jnp.nextafter(near.astype(dtype), jnp.where(y > near, limit, -limit))
+    other = toward.astype(jnp.float32)
+    p = divide(jnp.abs(y - near), jnp.abs(other - near))
+    return jnp.where(bernoulli(key, p), other, near)
+
+
 def raw_key(key) -> jax.Array:
     """The uint32 data of a PRNG key (typed keys are unwrapped; raw keys pass through).
 
@@ -199,8 +210,9 @@ def split_key(key, num: int = 2):
 class Compressor:
     """Base class: a compressor acting on the flattened input.
 
-    Subclasses implement ``encode(key, flat) -> (wire, side)`` on the 1-D input
-    (float32 unless ``keeps_dtype``) and ``decode(wire, side, n, dtype)`` back to
+    Subclasses implement ``encode(key, flat, dtype) -> (wire, side)`` on the 1-D
+    input (float32 unless ``keeps_dtype``; ``dtype`` is the input's, which the
+    output will have) and ``decode(wire, side, n, dtype)`` back to
     a 1-D array, plus the metadata methods.  ``compress``/``decompress`` handle
     shapes, dtypes and the payload's static metadata.
     """
@@ -227,7 +239,7 @@ class Compressor:
         flat = flatten(x) if self.flat_barrier else x.reshape(-1)
         if not self.keeps_dtype:
             flat = flat.astype(jnp.float32)
-        wire, side = self.encode(key, flat)
+        wire, side = self.encode(key, flat, x.dtype)
         return self.payload(wire, side, x)
 
     def decompress(self, payload: Payload) -> jax.Array:
@@ -256,7 +268,7 @@ class Compressor:
         return self.decompress(self.compress(key, x))
 
     # -- to implement -------------------------------------------------------
-    def encode(self, key, flat: jax.Array) -> tuple[dict, dict]:
+    def encode(self, key, flat: jax.Array, dtype) -> tuple[dict, dict]:
         raise NotImplementedError
 
     def decode(self, wire: dict, side: dict, n: int, dtype) -> jax.Array:

@@ -19,8 +19,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from compjax.compressor import Compressor, bernoulli
+from compjax.compressor import Compressor, bernoulli, stochastic_round
+from compjax.numerics import ldexp, unit_scale
 
 
 def water_fill(magnitudes: jax.Array, budget: float) -> jax.Array:
@@ -45,6 +47,10 @@ def water_fill(magnitudes: jax.Array, budget: float) -> jax.Array:
     d = m.shape[0]
     if d == 0:
         return m
+    # p is scale-free: bring max m into [1, 2) exactly, so that neither the sum
+    # of magnitudes overflows nor the reciprocal of that sum flushes to zero.
+    e, _ = unit_scale(jnp.max(m))
+    m = ldexp(m, -e)
     order = jnp.argsort(-m)
     desc = m[order]
     tail = jnp.cumsum(desc[::-1])[::-1]  # tail[j] = sum_{i >= j} desc[i]
@@ -85,13 +91,15 @@ class Atomo(Compressor):
     budget: float = 1.0
     unbiased = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         d = flat.shape[0]
         p = water_fill(jnp.abs(flat), self.budget)
         idx = _kept_slots(key, p, capacity(self.budget, d))
         safe = jnp.minimum(idx, max(d - 1, 0))
         used = idx < d
         values = jnp.where(used, flat[safe] / jnp.where(used, p[safe], 1.0), 0.0)
+        if np.dtype(dtype).itemsize < 4:  # decoding rounds: round onto the grid here, unbiased
+            values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
         return {"indices": idx, "values": values}, {}
 
     def decode(self, wire, side, n, dtype):
@@ -127,10 +135,11 @@ class AtomoSVD(Compressor):
         x = self.check(key, x)
         rows, cols = matrix_shape(x.shape)
         m = x.astype(jnp.float32).reshape(rows, cols)
-        # Factorise m / max|m| so that entries near the float32 limit cannot overflow.
-        top = jnp.max(jnp.abs(m), initial=0.0)
-        u, s, vt = jnp.linalg.svd(m / jnp.where(top > 0, top, 1.0), full_matrices=False)
-        s = s * top
+        # Factorise m 2**-e, 2**e <= max|m| < 2**(e+1) (an exact scaling), so that
+        # entries near the float32 limit neither overflow nor flush to zero.
+        e, _ = unit_scale(jnp.max(jnp.abs(m), initial=0.0))
+        u, s, vt = jnp.linalg.svd(ldexp(m, -e), full_matrices=False)
+        s = ldexp(s, e)
         rank = s.shape[0]
         p = water_fill(s, self.budget)
         idx = _kept_slots(key, p, capacity(self.budget, rank))
@@ -179,6 +188,10 @@ def atomo(budget: float) -> Atomo:
     With ``s = ||x||_1 / ||x||_inf`` the probabilities are TernGrad's, with
     ``s = ||x||_1 / ||x||_2`` QSGD's at one level.
 
+    For bfloat16/float16 inputs each rescaled value is rounded onto the
+    input dtype's grid at random (unbiased), so decoding's cast is exact
+    (float16 values beyond 65504 saturate, biased).
+
     Wire format: a fixed number of slots, :func:`capacity` ``(s, d)``, of int32
     indices and float32 rescaled values; unused slots carry index ``d`` and
     value 0.  ``bits`` counts those slots; ``expected_bits`` gives the
@@ -201,6 +214,9 @@ def atomo_svd(budget: float) -> AtomoSVD:
     ``(u_i, v_i, sigma_i / p_i)``.  Unbiased with variance
     ``sum_i sigma_i^2 (1/p_i - 1)``; on gradients of low effective rank this is
     far below entrywise ATOMO's at the same bits.
+
+    In bfloat16/float16 the decoded product is rounded to the input dtype,
+    deterministically: unbiased only up to that rounding (half an ulp).
 
     Wire format: :func:`capacity` ``(s, rank)`` slots of a left vector, a right
     vector and a float32 scale (unused slots zero): ``32 (rows + cols + 1)``

@@ -36,7 +36,7 @@ class Identity(Compressor):
     deterministic: ClassVar[bool] = True
     keeps_dtype: ClassVar[bool] = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         return {"values": flat}, {}
 
     def decode(self, wire, side, n, dtype):
@@ -76,7 +76,7 @@ class Cast(Compressor):
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.dtype == np.dtype(jnp.float32)
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         return {"values": to_dtype(flat, self.dtype)}, {}
 
     def decode(self, wire, side, n, dtype):

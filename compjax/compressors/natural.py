@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from compjax import packing
 from compjax.compressor import Compressor, random_bits
@@ -20,6 +21,23 @@ from compjax.compressor import Compressor, random_bits
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 _MAX_FINITE_EXPONENT = 254
+# float16's top binade [2^15, 65504]: 2^16 decodes to 65504 (saturated).
+_F16_TOP_EXPONENT = 127 + 15
+
+
+def round_up_threshold(exponent: jax.Array, mantissa: jax.Array, dtype) -> jax.Array:
+    """``2**23 P(round up)`` of an entry with these float32 exponent and mantissa fields.
+
+    ``mantissa`` (so ``P = (|t| - 2^a) / 2^a``), except in float16's top
+    binade, where rounding up decodes to 65504 rather than ``2^16``: there
+    ``P = (|t| - 2^15) / (65504 - 2^15) = k / 1023`` with ``k = mantissa >> 13``
+    (a float16 mantissa), as ``floor(k 2^23 / 1023) = 8200 k + floor(8 k / 1023)``.
+    """
+    if np.dtype(dtype) != np.dtype(jnp.float16):
+        return mantissa
+    k = mantissa >> 13
+    top = k * 8200 + (8 * k) // 1023
+    return jnp.where(exponent == _F16_TOP_EXPONENT, top, mantissa)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +46,13 @@ class Natural(Compressor):
 
     unbiased: ClassVar[bool] = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         word = jax.lax.bitcast_convert_type(flat, jnp.uint32)
         exponent = (word >> _MANTISSA_BITS) & 0xFF
         mantissa = word & _MANTISSA_MASK
-        # Round up with probability mantissa / 2**23: compare with 23 random bits.
+        # Round up with probability threshold / 2**23: compare with 23 random bits.
         draw = random_bits(key, flat.shape) >> (32 - _MANTISSA_BITS)
-        up = (draw < mantissa).astype(jnp.uint32)
+        up = (draw < round_up_threshold(exponent, mantissa, dtype)).astype(jnp.uint32)
         finite = exponent < 255
         rounded = jnp.where(finite, jnp.minimum(exponent + up, _MAX_FINITE_EXPONENT), exponent)
         return {
@@ -68,8 +86,11 @@ def natural() -> Natural:
     subnormal inputs round to 0 or the smallest normal number ``2^-126``
     (still unbiased), values at or above ``2^127`` saturate at ``2^127`` (no
     Inf; biased there), and Inf/NaN inputs decode to Inf of the same sign.
-    Float16/bfloat16 inputs are rounded in float32 and saturate at the
-    input dtype's largest finite value on decoding.
+    Float16/bfloat16 inputs are rounded in float32; every power of two they
+    can round to is exact in their dtype, except ``2^16`` for float16, which
+    decodes to float16's largest value 65504: entries in ``[2^15, 65504]``
+    round up with probability ``(|t| - 2^15) / (65504 - 2^15)`` instead, so
+    float16 stays unbiased (65504 itself is kept).
 
     Theory: unbiased, per-entry variance ``(2^(a+1) - |t|)(|t| - 2^a)``,
     ``omega = 1/8`` for every ``d``, attained at ``|t| = (4/3) 2^a``.

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from compjax import packing
 from compjax.compressor import Compressor
+from compjax.numerics import ldexp, unit_scale
 
 
 def sign_bits(x):
@@ -30,16 +31,17 @@ def mean_abs(flat: jax.Array) -> jax.Array:
 
     One pass, ``sum |x| / d``, when that sum is finite (a sum of magnitudes
     loses nothing to underflow); otherwise (it overflowed, or ``x`` holds an
-    Inf or NaN) ``m * mean(|x / m|)`` with ``m = max|x|``, two passes.
+    Inf or NaN) ``2**e mean(|x 2**-e|)`` with ``2**e <= max|x| < 2**(e+1)``, an
+    exact scaling (:func:`compjax.numerics.unit_scale`; dividing by ``max|x|``
+    would flush to zero), two passes.
     """
     total = jnp.sum(jnp.abs(flat))
 
     def scaled():
-        m = jnp.max(jnp.abs(flat), initial=0.0)
-        safe_m = jnp.where(m > 0, m, 1.0)
-        # |x / m| rather than |x| / m (same values): no full-size |x| shared
+        e, _ = unit_scale(jnp.max(jnp.abs(flat), initial=0.0))
+        # |x 2**-e| rather than |x| 2**-e (same values): no full-size |x| shared
         # by two reductions, which XLA would materialise.
-        return m * jnp.mean(jnp.abs(flat / safe_m))
+        return ldexp(jnp.mean(jnp.abs(ldexp(flat, -e))), e)
 
     return jax.lax.cond(jnp.isfinite(total), lambda: total / flat.size, scaled)
 
@@ -55,7 +57,7 @@ class Sign(Compressor):
 
     deterministic: ClassVar[bool] = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         return {"signs": packing.pack(sign_bits(flat), 1)}, {}
 
     def decode(self, wire, side, n, dtype):
@@ -71,7 +73,7 @@ class ScaledSign(Compressor):
 
     deterministic: ClassVar[bool] = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         if not flat.size:
             return {"scale": jnp.float32(0.0), "signs": packing.pack(sign_bits(flat), 1)}, {}
         return {"scale": mean_abs(flat), "signs": packing.pack(sign_bits(flat), 1)}, {}

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, safe_divide
+from compjax.compressor import Compressor, bernoulli
+from compjax.numerics import divide, ldexp, magnitude, round_up_to, unit_scale
 
 # Ternary codes, 2 bits each, 4 per byte.
 ZERO, PLUS, MINUS = 0, 1, 2
@@ -23,21 +24,24 @@ ZERO, PLUS, MINUS = 0, 1, 2
 def clip_to_std(x: jax.Array, c: float) -> jax.Array:
     """Clip ``x`` to ``[-c sigma, c sigma]`` with ``sigma`` the std of its entries.
 
-    The std is computed on ``x / max|x|`` so that it cannot overflow.
+    The std is computed on ``x 2**-e`` with ``2**e <= max|x| < 2**(e+1)`` (an
+    exact scaling, :func:`compjax.numerics.unit_scale`) so that it can neither
+    overflow nor flush to zero.
     """
-    m = jnp.max(jnp.abs(x), initial=0.0)
-    safe_m = jnp.where(m > 0, m, 1.0)
-    sigma = m * jnp.std(x / safe_m) if x.size else jnp.float32(0.0)
+    e, _ = unit_scale(jnp.max(jnp.abs(x), initial=0.0))
+    sigma = ldexp(jnp.std(ldexp(x, -e)), e) if x.size else jnp.float32(0.0)
     return jnp.clip(x, -c * sigma, c * sigma)
 
 
 def ternarize(key, x: jax.Array, scale: jax.Array) -> jax.Array:
     """Ternary codes of ``x`` for the scaler ``scale >= max|x|``.
 
-    Entry ``i`` is ``sign(x_i)`` with probability ``|x_i| / scale`` and 0
-    otherwise, so that ``scale * value`` is an unbiased estimate of ``x``.
+    Entry ``i`` is ``sign(x_i)`` with probability ``|x_i| / scale`` (exactly 1
+    at ``|x_i| = scale``) and 0 otherwise, so that ``scale * value`` is an
+    unbiased estimate of ``x``.
     """
-    keep = bernoulli(key, jnp.abs(safe_divide(x, scale)))
+    mag = magnitude(x)
+    keep = bernoulli(key, divide(mag, scale)) | ((mag >= scale) & (scale > 0))
     return jnp.where(keep, jnp.where(x < 0, MINUS, PLUS), ZERO).astype(jnp.uint32)
 
 
@@ -66,10 +70,11 @@ class TernGrad(Compressor):
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.clip is None
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         if self.clip is not None:
             flat = clip_to_std(flat, self.clip)
-        scale = jnp.max(jnp.abs(flat), initial=0.0)
+        # On the output dtype's grid (rounded up), so that the decoded +-scale is exact.
+        scale = round_up_to(jnp.max(jnp.abs(flat), initial=0.0), dtype)
         codes = ternarize(key, flat, scale)
         return {"scale": scale, "codes": packing.pack(codes, 2)}, {}
 
@@ -87,6 +92,8 @@ def terngrad(clip: float | None = None) -> TernGrad:
     """TernGrad: ``C(x) = s sign(x) * b`` with ``s = max|x|``, ``b_k ~ Bernoulli(|x_k|/s)``.
 
     Wire format: one float32 scaler and 2-bit ternary codes packed 4 per byte.
+    The scaler is on the input dtype's grid (rounded up where clipping made
+    it inexact), so ``+-s`` decode exactly in bfloat16 and float16 too.
 
     Theory: without clipping, unbiased with ``omega(d) = (sqrt(d) - 1)/2``, the
     supremum of ``||x||_inf ||x||_1 / ||x||_2^2 - 1``.  With ``clip = c`` the

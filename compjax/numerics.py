@@ -1,0 +1,113 @@
+"""Exact float32 scaling and rounding onto a narrower dtype's grid.
+
+Two facts of XLA on a CPU shape these helpers:
+
+* it rewrites ``x / m`` as ``x * (1/m)``; for ``m > 2**126`` the reciprocal is
+  subnormal and flushed to zero, so the quotient is 0;
+* subnormal floats are flushed to zero in arithmetic.
+
+So a compressor never divides by a data-dependent scale directly: it first
+brings the scale into ``[1, 2)`` by an exact power of two (:func:`unit_scale`),
+where the reciprocal is harmless.  And a
+compressor that decodes to bfloat16 or float16 rounds its candidate outputs
+with :func:`round_to` exactly as :meth:`compjax.Compressor.finish` will, so it
+can pick between the values the receiver will actually decode to.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_MANTISSA_BITS = 23
+_BIAS = 127
+
+
+def exponent(m: jax.Array) -> jax.Array:
+    """``floor(log2 m)`` of a positive normal float32 ``m``, as int32, from its bits.
+
+    Zero and subnormal ``m`` give ``-127``; Inf and NaN give ``128``.
+    """
+    bits = jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.uint32)
+    return ((bits >> _MANTISSA_BITS) & 0xFF).astype(jnp.int32) - _BIAS
+
+
+def magnitude(x: jax.Array) -> jax.Array:
+    """``|x|`` of float32 ``x`` by clearing its sign bit.
+
+    The same values as ``jnp.abs``, but not merged with another ``abs(x)``
+    by XLA: an ``abs`` shared by a reduction and a later loop (a norm, then
+    the quantisation) would be materialised as a full-size array.
+    """
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def pow2(k: jax.Array) -> jax.Array:
+    """``2.0**k`` as float32, exact, for integer ``k`` in ``[-126, 127]`` (clipped to it)."""
+    k = jnp.clip(jnp.asarray(k, jnp.int32), -126, 127) + _BIAS
+    return jax.lax.bitcast_convert_type(k.astype(jnp.uint32) << _MANTISSA_BITS, jnp.float32)
+
+
+def ldexp(x: jax.Array, k: jax.Array) -> jax.Array:
+    """``x * 2**k`` by one multiplication, exact for ``k`` in ``[-126, 127]`` while the
+    result stays normal (a subnormal result is flushed to zero on a CPU)."""
+    return x * pow2(k)
+
+
+def unit_scale(m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(e, m * 2**-e)`` for ``m >= 0``: ``m`` scaled into ``[1, 2)`` by an exact power of two.
+
+    ``e`` is ``m``'s exponent clipped to ``[-126, 126]``, so that ``2**e`` and
+    ``2**-e`` are both normal; ``m >= 2**127`` lands in ``[2, 4)`` and a zero
+    ``m`` gives ``(0, 0)``.  Scaling ``x`` by the same ``2**-e``
+    (:func:`ldexp`) is exact for ``|x| <= m`` down to ``2**-126`` times ``m``.
+    """
+    e = jnp.where(m > 0, jnp.clip(exponent(m), -126, 126), 0)
+    return e, ldexp(m, -e)
+
+
+def divide(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a / b`` for ``b >= 0``, with 0 where ``b == 0``, for any normal ``b``.
+
+    Both are scaled by the power of two that brings ``b`` into ``[1, 2)``
+    (:func:`unit_scale`), so the reciprocal that XLA substitutes is harmless
+    (the result may differ from the correctly rounded quotient by an ulp).
+    """
+    e, unit = unit_scale(b)
+    return jnp.where(b > 0, ldexp(a, -e) / jnp.where(b > 0, unit, 1.0), 0.0)
+
+
+def to_dtype(y: jax.Array, dtype) -> jax.Array:
+    """Cast ``y`` to ``dtype``, saturating at the target's largest finite value."""
+    dtype = np.dtype(dtype)
+    if y.dtype == dtype:
+        return y
+    if jnp.issubdtype(dtype, jnp.floating):
+        limit = float(jnp.finfo(dtype).max)
+        if limit < float(jnp.finfo(y.dtype).max):
+            y = jnp.clip(y, -limit, limit)
+    return y.astype(dtype)
+
+
+def round_to(y: jax.Array, dtype) -> jax.Array:
+    """Float32 ``y`` rounded onto ``dtype``'s grid as decoding will (:func:`to_dtype`), as float32.
+
+    The identity for float32 (or wider) ``dtype``.
+    """
+    if np.dtype(dtype).itemsize >= 4:
+        return y
+    return to_dtype(y, dtype).astype(jnp.float32)
+
+
+def round_up_to(y: jax.Array, dtype) -> jax.Array:
+    """The smallest value of ``dtype``'s grid ``>= y`` (float32 ``y >= 0``), as float32.
+
+    Saturates at the dtype's largest finite value.
+    """
+    if np.dtype(dtype).itemsize >= 4:
+        return y
+    near = to_dtype(y, dtype)
+    up = jnp.nextafter(near, jnp.asarray(jnp.finfo(dtype).max, dtype))
+    return jnp.where(near.astype(jnp.float32) < y, up, near).astype(jnp.float32)
