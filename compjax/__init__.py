@@ -12,6 +12,7 @@ from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
+from compjax.compressors.dithering import natural_dithering, natural_dithering_omega
 from compjax.compressors.natural import natural
 from compjax.compressors.qsgd import qsgd, qsgd_omega
 from compjax.compressors.sign import scaled_sign, sign
@@ -77,6 +78,8 @@ __all__ = [
     "hierarchical",
     "identity",
     "natural",
+    "natural_dithering",
+    "natural_dithering_omega",
     "nnx",
     "per_example_grads",
     "powersgd",
