@@ -27,6 +27,7 @@ MODULES = (
     "terngrad",
     "random_k",
     "natural",
+    "natural_dithering",
     "atomo",
     "contraction",
     "two_stage",
