@@ -29,6 +29,8 @@ CATALOGUE_SPECS = (
     "natural_dithering(levels=7)",
     "natural_dithering(levels=8, p=float('inf'))",
     "sign()",
+    "eden()",
+    "drive()",
     "scaled_sign()",
     "rand_k(ratio=0.01)",
     "rand_k(ratio=0.01, shared_seed=True)",
