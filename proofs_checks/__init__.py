@@ -28,6 +28,7 @@ MODULES = (
     "random_k",
     "natural",
     "natural_dithering",
+    "eden",
     "atomo",
     "contraction",
     "two_stage",
