@@ -30,6 +30,8 @@ CATALOGUE_SPECS = (
     "natural_dithering(levels=8, p=float('inf'))",
     "sign()",
     "eden()",
+    "eden(bits=2)",
+    "eden(bits=4)",
     "drive()",
     "scaled_sign()",
     "rand_k(ratio=0.01)",

@@ -25,6 +25,7 @@ from scipy import linalg, stats
 
 import compjax
 from compjax import hadamard
+from compjax.compressors.eden import lloyd_max
 
 OMEGA = math.pi / 2 - 1
 
@@ -155,12 +156,42 @@ def test_one_round_fails_on_structured_inputs():
 
 
 def test_vnmse_is_pi_over_2_minus_1_in_high_dimension():
-    """d = 2^14 Gaussian: EDEN's vNMSE within 1% of pi/2 - 1; DRIVE's within 1% of 1 - 2/pi."""
+    """d = 2^14 Gaussian: EDEN's vNMSE within 1% of pi/2 - 1 (2 and 4 bits: of D/(1 - D));
+    DRIVE's within 1% of 1 - 2/pi."""
     x = np.random.default_rng(5).standard_normal(2**14).astype(np.float32)
-    for comp, expected in ((compjax.eden(), OMEGA), (compjax.drive(), 1 - 2 / math.pi)):
+    cases = [(compjax.eden(b), compjax.eden(b).omega(2**14)) for b in (1, 2, 4)]
+    for comp, expected in [*cases, (compjax.drive(), 1 - 2 / math.pi)]:
         draws = draw(comp, jnp.asarray(x), n=64, seed=3)
         err = np.sum((draws - x) ** 2, axis=1) / np.sum(x.astype(np.float64) ** 2)
         assert abs(err.mean() - expected) <= 0.01 * expected, (comp, err.mean())
+
+
+def test_lloyd_max_codebooks():
+    """Max (1960)'s Gaussian quantisers: 2 bits +-0.4528, +-1.510, D = 0.1175; 4 bits 0.0095."""
+    centroids, distortion = lloyd_max(2)
+    np.testing.assert_allclose(centroids, [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-4)
+    np.testing.assert_allclose(distortion, 0.1175, atol=1e-4)
+    np.testing.assert_allclose(lloyd_max(1)[1], 1 - 2 / math.pi, rtol=1e-9)
+    np.testing.assert_allclose(lloyd_max(4)[1], 0.0095, atol=1e-5)
+    assert compjax.eden(2).omega(10) == pytest.approx(0.1175 / 0.8825, rel=1e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_multibit_wire_unbiased_and_below_omega(bits):
+    comp = compjax.eden(bits)
+    payload = jax.eval_shape(comp.compress, jax.random.key(0), jnp.zeros(100))
+    assert payload.wire["codes"].dtype == jnp.uint8
+    assert compjax.wire_bits(payload) == 32 + 128 * bits == comp.bits((100,))
+    d = 256
+    fam = _family(d)
+    for name in ("gaussian", "two equal spikes", "(1, 1/2, 0, ...)"):
+        x = fam[name].astype(np.float32).astype(np.float64)
+        draws = draw(comp, jnp.asarray(x, jnp.float32), n=4000, seed=12)
+        _assert_unbiased_mc(draws, x)
+        np.testing.assert_allclose(draws @ x, np.sum(x**2), rtol=1e-4)
+        err = np.sum((draws - x) ** 2, axis=1) / np.sum(x**2)
+        se = err.std(ddof=1) / np.sqrt(len(err))
+        assert 0.9 * comp.omega(d) <= err.mean() <= comp.omega(d) + 5 * se, (name, err.mean())
 
 
 @partial(jax.jit, static_argnums=(0, 1))
@@ -197,6 +228,8 @@ def test_eight_workers_under_shard_map():
         (lambda: compjax.eden(rounds=0), "rounds"),
         (lambda: compjax.drive(rounds=1.5), "rounds"),
         (lambda: compjax.eden(rounds=True), "rounds"),
+        (lambda: compjax.eden(bits=3), "bits"),
+        (lambda: compjax.eden(bits=0), "bits"),
     ],
 )
 def test_bad_parameters_raise(build, name):

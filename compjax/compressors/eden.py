@@ -22,6 +22,8 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 
 import jax.numpy as jnp
@@ -35,6 +37,32 @@ _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 EDEN_VNMSE = math.pi / 2 - 1
 
 
+@functools.cache
+def lloyd_max(bits: int) -> tuple[tuple[float, ...], float]:
+    """Lloyd-Max centroids of the standard normal with ``2^bits`` levels, and their distortion.
+
+    Lloyd's iteration (thresholds at midpoints, centroids the conditional
+    means ``(phi(a) - phi(b)) / (Phi(b) - Phi(a))``) from uniform starting
+    points; returns the sorted centroids and ``D = E(Z - Q(Z))^2 = 1 - E Q(Z)^2``.
+    One bit: ``+-sqrt(2/pi)``, ``D = 1 - 2/pi``.
+    """
+    k = 1 << bits
+    c = [4.0 * (i + 0.5) / k - 2.0 for i in range(k)]
+
+    def pdf(t):
+        return math.exp(-t * t / 2) / math.sqrt(2 * math.pi) if math.isfinite(t) else 0.0
+
+    def cdf(t):
+        return 0.5 * (1 + math.erf(t / math.sqrt(2))) if math.isfinite(t) else float(t > 0)
+
+    for _ in range(1000):
+        t = [-math.inf] + [(a + b) / 2 for a, b in itertools.pairwise(c)] + [math.inf]
+        c = [(pdf(t[i]) - pdf(t[i + 1])) / (cdf(t[i + 1]) - cdf(t[i])) for i in range(k)]
+    t = [-math.inf] + [(a + b) / 2 for a, b in itertools.pairwise(c)] + [math.inf]
+    power = sum(c[i] ** 2 * (cdf(t[i + 1]) - cdf(t[i])) for i in range(k))
+    return tuple(c), 1.0 - power
+
+
 def padded_size(d: int) -> int:
     """``d'``: the next power of two (0 for an empty input)."""
     return 0 if d == 0 else hadamard.next_power_of_two(d)
@@ -42,10 +70,11 @@ def padded_size(d: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Drive(Compressor):
-    """One-bit DRIVE/EDEN after ``rounds`` randomized Hadamard rotations.  See :func:`eden`."""
+    """DRIVE/EDEN after ``rounds`` randomized Hadamard rotations.  See :func:`eden`."""
 
     unbiased_scale: bool = True
     rounds: int = 3
+    bit_width: int = 1
 
     @property
     def unbiased(self) -> bool:  # type: ignore[override]
@@ -53,6 +82,10 @@ class Drive(Compressor):
 
     def _signs(self, key, n):
         return hadamard.random_signs(key, n, self.rounds)
+
+    def _codebook(self):
+        centroids = jnp.asarray(lloyd_max(self.bit_width)[0], jnp.float32)
+        return centroids, (centroids[1:] + centroids[:-1]) / 2
 
     def encode(self, key, flat):
         d = flat.shape[0]
@@ -62,6 +95,16 @@ class Drive(Compressor):
         m = jnp.max(jnp.abs(flat), initial=0.0)
         x = safe_divide(flat, m)
         y = hadamard.rotate(self._signs(key, n), jnp.pad(x, (0, n - d)))
+        if self.bit_width > 1:
+            # Rotated coordinates in units of their rms, rounded to the nearest
+            # Lloyd-Max centroid q; x_hat = (||y||^2 / <y, q>) R^T q.
+            centroids, thresholds = self._codebook()
+            sq = jnp.sum(y * y)
+            rms = jnp.sqrt(sq / max(n, 1))
+            code = jnp.searchsorted(thresholds, safe_divide(y, rms)).astype(jnp.uint32)
+            scale = jnp.minimum(m * safe_divide(sq, jnp.dot(y, centroids[code])), _FLOAT32_MAX)
+            codes = packing.pack(code, self.bit_width)
+            return {"scale": scale.reshape(1), "codes": codes}, {"key": key}
         l1 = jnp.sum(jnp.abs(y))
         if self.unbiased_scale:
             scale = safe_divide(jnp.sum(x * x), l1)
@@ -73,7 +116,10 @@ class Drive(Compressor):
 
     def decode(self, wire, side, n, dtype):
         size = padded_size(n)
-        q = 1.0 - 2.0 * packing.unpack(wire["signs"], 1, size).astype(jnp.float32)
+        if self.bit_width > 1:
+            q = self._codebook()[0][packing.unpack(wire["codes"], self.bit_width, size)]
+        else:
+            q = 1.0 - 2.0 * packing.unpack(wire["signs"], 1, size).astype(jnp.float32)
         x = hadamard.unrotate(self._signs(side["key"], size), q)[:n]
         # + 0.0: a zero scale gives +0, not -0, where the unrotated signs are negative.
         return jnp.clip(wire["scale"][0] * x, -_FLOAT32_MAX, _FLOAT32_MAX) + 0.0
@@ -81,7 +127,12 @@ class Drive(Compressor):
     def omega(self, d):
         if not self.unbiased_scale:
             return None
-        return 0.0 if d <= 1 else EDEN_VNMSE
+        if d <= 1:
+            return 0.0
+        if self.bit_width == 1:
+            return EDEN_VNMSE
+        distortion = lloyd_max(self.bit_width)[1]
+        return distortion / (1.0 - distortion)
 
     def delta(self, d):
         if self.unbiased_scale:
@@ -90,7 +141,7 @@ class Drive(Compressor):
         return 1.0 / padded_size(d) if d > 0 else 1.0
 
     def bits(self, shape, dtype=jnp.float32):
-        return packing.packed_bits(padded_size(math.prod(shape)), 1) + 32
+        return packing.packed_bits(padded_size(math.prod(shape)), self.bit_width) + 32
 
 
 def _check_rounds(rounds) -> int:
@@ -99,8 +150,8 @@ def _check_rounds(rounds) -> int:
     return rounds
 
 
-def eden(rounds: int = 3) -> Drive:
-    """One-bit EDEN (unbiased DRIVE): signs of the rotated vector and ``||x||^2 / ||R x||_1``.
+def eden(bits: int = 1, rounds: int = 3) -> Drive:
+    """EDEN (unbiased DRIVE): ``bits`` per rotated coordinate and one unbiased scale.
 
     Pads ``x`` with zeros to ``d'``, the next power of two, rotates it with
     ``R = H D_r ... H D_1 / sqrt(d')^r`` (fast Walsh-Hadamard transforms and
@@ -108,6 +159,15 @@ def eden(rounds: int = 3) -> Drive:
     (packed 8 per byte; the padding is counted) and one float32 scale
     ``S = ||x||^2 / ||R x||_1``.  The receiver decodes
     ``x_hat = R^T (S sign(R x))`` and drops the padding.
+
+    With ``bits = 2`` or ``4`` each rotated coordinate, in units of their rms
+    ``||x|| / sqrt(d')``, is rounded to the nearest of the ``2^bits``
+    Lloyd-Max centroids of the standard normal (:func:`lloyd_max`), and the
+    scale is ``||x||^2 / <R x, q>`` so that again ``<x_hat, x> = ||x||^2``;
+    the codes are packed ``8 / bits`` per byte.  Under a uniformly random
+    rotation the vNMSE rises to ``D / (1 - D)`` with ``D`` the quantiser's
+    distortion of ``N(0, 1)``: ``omega(d)`` = 0.1331 for 2 bits, 0.009592
+    for 4 (``pi/2 - 1`` for one bit).
 
     The rotation is not sent: it derives from the compress key, which travels
     as side information (``payload.side["key"]``, not counted, as for
@@ -135,7 +195,11 @@ def eden(rounds: int = 3) -> Drive:
     on every input family tested, unbiased (``tests/test_eden.py``).
 
     Args:
+      bits: bits per rotated coordinate, 1, 2 or 4.
       rounds: randomized Hadamard rounds (the papers use 1), ``1..8``.
+
+    Raises:
+      ValueError: ``bits`` or ``rounds`` out of range.
 
     References:
       Yu, Suresh, Choromanski, Holtmann-Rice, Kumar, "Orthogonal Random
@@ -145,7 +209,9 @@ def eden(rounds: int = 3) -> Drive:
       Communication-Efficient and Robust Distributed Mean Estimation for
       Federated Learning", ICML 2022 (arXiv:2108.08842).
     """
-    return Drive(unbiased_scale=True, rounds=_check_rounds(rounds))
+    if bits not in (1, 2, 4) or isinstance(bits, bool):
+        raise ValueError(f"bits must be 1, 2 or 4, got {bits!r}")
+    return Drive(unbiased_scale=True, rounds=_check_rounds(rounds), bit_width=bits)
 
 
 def drive(rounds: int = 3) -> Drive:
