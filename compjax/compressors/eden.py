@@ -1,9 +1,10 @@
-"""EDEN / DRIVE: one bit per coordinate after a randomized Hadamard rotation.
+"""EDEN / DRIVE: one (or 2, 4) bits per coordinate after a randomized Hadamard rotation.
 
 A worker rotates its (zero-padded) vector, ``y = R x`` with
 ``R = H D_r ... H D_1`` (:mod:`compjax.hadamard`), and sends the signs of
-``y`` and one scale ``S``; the receiver regenerates ``R`` from the key and
-decodes ``x_hat = R^T (S sign(y))``.  Two scales:
+``y`` (EDEN with 2 or 4 bits: the nearest Lloyd-Max centroids of a
+Gaussian) and one scale ``S``; the receiver regenerates ``R`` from the key
+and decodes ``x_hat = R^T (S sign(y))``.  Two scales:
 
 * EDEN / unbiased DRIVE, ``S = ||x||^2 / ||R x||_1``: ``<x_hat, x> = ||x||^2``
   always, and ``E x_hat = x`` under a uniformly random rotation;
@@ -17,6 +18,8 @@ References:
   Vargaftik, Ben-Basat, Portnoy, Mendelson, Ben-Itzhak, Mitzenmacher,
   "EDEN: Communication-Efficient and Robust Distributed Mean Estimation for
   Federated Learning", ICML 2022 (arXiv:2108.08842).
+  Max, "Quantizing for Minimum Distortion", IRE Trans. Inf. Theory 1960
+  (Lloyd-Max quantisers of the Gaussian).
 """
 
 from __future__ import annotations
