@@ -5,13 +5,15 @@ Compressors are immutable values built by the factories below; each has
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 """
 
-from compjax import collectives, exchange, nnx
+from compjax import collectives, exchange, hadamard, nnx
 from compjax.accounting import CommunicationReport, communication
 from compjax.collectives import worker_params
 from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
+from compjax.compressors.dithering import natural_dithering, natural_dithering_omega
+from compjax.compressors.eden import drive, eden
 from compjax.compressors.l2_sign import l2_scaled_sign
 from compjax.compressors.natural import natural
 from compjax.compressors.qsgd import qsgd, qsgd_omega
@@ -69,13 +71,18 @@ __all__ = [
     "data_parallel",
     "dgc",
     "diana",
+    "drive",
+    "eden",
     "ef21",
     "error_feedback",
     "exchange",
+    "hadamard",
     "hierarchical",
     "identity",
     "l2_scaled_sign",
     "natural",
+    "natural_dithering",
+    "natural_dithering_omega",
     "nnx",
     "onebit_adam",
     "per_example_grads",

@@ -27,6 +27,8 @@ MODULES = (
     "terngrad",
     "random_k",
     "natural",
+    "natural_dithering",
+    "eden",
     "atomo",
     "contraction",
     "two_stage",

@@ -22,6 +22,8 @@ EXTRA_SPECS = (
     "blockwise(top_k(ratio=0.5), 3)",
     "atomo(budget=4.0)",
     "atomo_svd(budget=2.0)",
+    "eden(rounds=1)",
+    "natural_dithering(levels=1)",
 )
 
 

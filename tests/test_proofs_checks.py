@@ -6,6 +6,7 @@ sampler, workers sharing their randomness) and assert that the claims that
 depend on it FAIL.
 """
 
+import math
 import pathlib
 import sys
 
@@ -16,6 +17,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo
 
 import compjax
 import compjax.collectives
+import compjax.compressors.dithering
+import compjax.compressors.eden
 import compjax.compressors.qsgd
 import compjax.compressors.terngrad
 import compjax.exchange
@@ -70,6 +73,21 @@ def test_a_wrong_qsgd_omega_is_caught(broken, factor):
         assert row.verdict == FAIL, row
     # Lemma 3.1 itself does not depend on omega(d) and still holds.
     assert by_claim(results, "QSGD variance")[0].verdict == PASS
+
+
+@pytest.mark.parametrize(
+    ("nat_factor", "eden_factor"), [(0.5, 2.0), pytest.param(2.0, 0.5, marks=pytest.mark.slow)]
+)
+def test_a_wrong_natural_dithering_or_eden_omega_is_caught(broken, nat_factor, eden_factor):
+    dithering = compjax.compressors.dithering
+    original = dithering.natural_dithering_omega
+    broken.setattr(dithering, "natural_dithering_omega", lambda d, s: nat_factor * original(d, s))
+    broken.setattr(compjax.compressors.eden, "EDEN_VNMSE", eden_factor * (math.pi / 2 - 1))
+    results, _ = run_all(fast=True, modules=("natural_dithering", "eden"))
+    assert by_claim(results, "natural dithering omega(d)")[0].verdict == FAIL
+    assert by_claim(results, "EDEN's vNMSE is at most omega")[0].verdict == FAIL
+    # Claims that do not read omega still hold.
+    assert by_claim(results, "natural dithering obeys the theorem")[0].verdict == PASS
 
 
 def test_a_biased_sampler_is_caught(broken):

@@ -25,7 +25,7 @@ class L2ScaledSign(Compressor):
 
     deterministic: ClassVar[bool] = True
 
-    def encode(self, key, flat):
+    def encode(self, key, flat, dtype):
         signs = packing.pack(sign_bits(flat), 1)
         if not flat.size:
             return {"scale": jnp.float32(0.0), "signs": signs}, {}

@@ -1,0 +1,237 @@
+"""EDEN / DRIVE and the fast Walsh-Hadamard transform.
+
+* ``fwht`` equals ``scipy.linalg.hadamard(n) / sqrt(n)`` and is its own inverse;
+* the wire: ``d'`` sign bits (the padding to a power of two counted) and one
+  float32 scale; the rotation's key is side information;
+* EDEN's scale gives ``<x_hat, x> = ||x||^2`` on every draw; DRIVE's error is
+  ``||x||^2 - ||Rx||_1^2 / d'``;
+* unbiasedness (chi-square at false-alarm probability 1e-6, fixed seeds) and
+  the vNMSE against ``omega = pi/2 - 1`` on dense and structured sparse inputs;
+* 8 workers under ``shard_map``: the compressed mean is unbiased with the
+  error of one worker divided by 8.
+"""
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import draw, roundtrip
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from scipy import linalg, stats
+
+import compjax
+from compjax import hadamard
+from compjax.compressors.eden import lloyd_max
+
+OMEGA = math.pi / 2 - 1
+
+
+@jax.jit
+def _fwht_twice(x):
+    y = hadamard.fwht(x)
+    return y, hadamard.fwht(y)
+
+
+def test_fwht_is_the_orthonormal_hadamard_matrix():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 4, 8, 32, 256):
+        x = rng.standard_normal((3, n)).astype(np.float32)
+        y, back = _fwht_twice(jnp.asarray(x))
+        y = np.asarray(y)
+        np.testing.assert_allclose(y, x @ linalg.hadamard(n) / np.sqrt(n), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(back, x, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.sum(y * y, 1), np.sum(x * x, 1), rtol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard.fwht(jnp.ones(6))
+    assert [hadamard.next_power_of_two(n) for n in (0, 1, 2, 3, 9, 1024, 1025)] == [
+        1,
+        1,
+        2,
+        4,
+        16,
+        1024,
+        2048,
+    ]
+
+
+def test_randomized_rotation_inverts():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(64), jnp.float32)
+    signs = hadamard.random_signs(jax.random.key(3), 64, rounds=3)
+    assert set(np.unique(np.asarray(signs))) == {-1.0, 1.0}
+    y = hadamard.rotate(signs, x)
+    np.testing.assert_allclose(jnp.linalg.norm(y), jnp.linalg.norm(x), rtol=1e-5)
+    np.testing.assert_allclose(hadamard.unrotate(signs, y), x, rtol=1e-4, atol=1e-5)
+
+
+def test_wire_format_counts_the_padding():
+    for comp in (compjax.eden(), compjax.drive(rounds=1)):
+        for d, padded in ((0, 0), (1, 1), (7, 8), (9, 16), (1000, 1024)):
+            payload = jax.eval_shape(comp.compress, jax.random.key(0), jnp.zeros(d))
+            assert payload.wire["signs"].dtype == jnp.uint8
+            assert payload.wire["scale"].dtype == jnp.float32
+            assert compjax.wire_bits(payload) == 32 + 8 * math.ceil(padded / 8)
+            assert "key" in payload.side  # the rotation is never sent
+    assert compjax.eden().bits((1024,)) == 1024 + 32
+
+
+@partial(jax.jit, static_argnums=0)
+def _rotated_l1(comp, key, x):
+    """``||R x||_1`` with the compressor's own rotation (raw key as in its payload)."""
+    n = hadamard.next_power_of_two(x.size)
+    signs = hadamard.random_signs(jax.random.key_data(key), n, comp.rounds)
+    return jnp.sum(jnp.abs(hadamard.rotate(signs, jnp.pad(x, (0, n - x.size)))))
+
+
+def test_scales_eden_inner_product_and_drive_error():
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(100), jnp.float32)
+    sq = float(jnp.sum(x * x))
+    for seed in range(2):
+        key = jax.random.key(seed)
+        _, y = roundtrip(compjax.eden(), key, x)
+        # EDEN: <x_hat, x> = ||x||^2 on every draw (the error is orthogonal to x).
+        np.testing.assert_allclose(float(jnp.dot(y, x)), sq, rtol=1e-5)
+        # DRIVE: ||x_hat - x||^2 = ||x||^2 - ||Rx||_1^2 / d' (computed on d' entries,
+        # so at most that on the d kept ones), and within the contraction bound.
+        comp = compjax.drive()
+        _, z = roundtrip(comp, key, x)
+        l1 = float(_rotated_l1(comp, key, x))
+        err = float(jnp.sum((z - x) ** 2))
+        assert err <= (sq - l1**2 / 128) * (1 + 1e-5)
+        assert err <= (1 - comp.delta(100)) * sq
+    assert compjax.drive().delta(100) == 1 / 128 and compjax.drive().omega(100) is None
+    assert compjax.eden().omega(100) == OMEGA and compjax.eden().delta(100) is None
+    assert compjax.eden().omega(1) == 0.0
+
+
+def _assert_unbiased_mc(draws, x, p=1e-6):
+    """Chi-square test of the mean with per-entry sample variances (n >> 1 draws)."""
+    n = draws.shape[0]
+    var = draws.var(axis=0, ddof=1)
+    z = (draws.mean(0) - x) / np.sqrt(var / n)
+    chi2, bound = float(np.sum(z**2)), float(stats.chi2.isf(p, x.size))
+    assert chi2 < bound, f"mean is off: chi2={chi2:.1f} > {bound:.1f}"
+
+
+def _family(d):
+    rng = np.random.default_rng(4)
+    spikes = lambda k: np.r_[np.ones(k), np.zeros(d - k)]  # noqa: E731
+    return {
+        "gaussian": rng.standard_normal(d),
+        "student-t(2)": rng.standard_t(2, d),
+        "two equal spikes": spikes(2),
+        "four equal spikes": spikes(4),
+        "(1, 1/2, 0, ...)": np.r_[1.0, 0.5, np.zeros(d - 2)],
+        "hadamard row + e1": linalg.hadamard(d)[3] / np.sqrt(d) + np.eye(d)[0],
+    }
+
+
+@pytest.mark.parametrize("name", list(_family(64)))
+def test_unbiased_and_vnmse_below_omega(name):
+    """Three rounds: on every family the mean passes a chi-square test and the vNMSE
+    is below omega within 5 standard errors (and at least 0.9 omega, so omega/2 fails)."""
+    d = 256
+    x = _family(d)[name].astype(np.float32).astype(np.float64)
+    draws = draw(compjax.eden(), jnp.asarray(x, jnp.float32), n=4000, seed=11)
+    _assert_unbiased_mc(draws, x)
+    err = np.sum((draws - x) ** 2, axis=1) / np.sum(x**2)
+    se = err.std(ddof=1) / np.sqrt(len(err))
+    assert err.mean() <= OMEGA + 5 * se, (err.mean(), se)
+    assert err.mean() >= 0.9 * OMEGA
+
+
+def test_one_round_fails_on_structured_inputs():
+    """Documented: one randomized Hadamard round (the papers') is biased on (1, 1/2, 0, ...)
+    (every draw decodes to (5/4) e_1) and two equal spikes have error exactly 1."""
+    d = 256
+    fam = _family(d)
+    draws = draw(compjax.eden(rounds=1), jnp.asarray(fam["(1, 1/2, 0, ...)"], jnp.float32), n=64)
+    np.testing.assert_allclose(draws, np.broadcast_to(np.eye(d)[0] * 1.25, draws.shape), atol=1e-5)
+    x = fam["two equal spikes"]
+    draws = draw(compjax.eden(rounds=1), jnp.asarray(x, jnp.float32), n=64)
+    np.testing.assert_allclose(np.sum((draws - x) ** 2, axis=1) / 2, 1.0, rtol=1e-5)
+
+
+def test_vnmse_is_pi_over_2_minus_1_in_high_dimension():
+    """d = 2^14 Gaussian: EDEN's vNMSE within 1% of pi/2 - 1 (2 and 4 bits: of D/(1 - D));
+    DRIVE's within 1% of 1 - 2/pi."""
+    x = np.random.default_rng(5).standard_normal(2**14).astype(np.float32)
+    cases = [(compjax.eden(b), compjax.eden(b).omega(2**14)) for b in (1, 2, 4)]
+    for comp, expected in [*cases, (compjax.drive(), 1 - 2 / math.pi)]:
+        draws = draw(comp, jnp.asarray(x), n=64, seed=3)
+        err = np.sum((draws - x) ** 2, axis=1) / np.sum(x.astype(np.float64) ** 2)
+        assert abs(err.mean() - expected) <= 0.01 * expected, (comp, err.mean())
+
+
+def test_lloyd_max_codebooks():
+    """Max (1960)'s Gaussian quantisers: 2 bits +-0.4528, +-1.510, D = 0.1175; 4 bits 0.0095."""
+    centroids, distortion = lloyd_max(2)
+    np.testing.assert_allclose(centroids, [-1.5104, -0.4528, 0.4528, 1.5104], atol=1e-4)
+    np.testing.assert_allclose(distortion, 0.1175, atol=1e-4)
+    np.testing.assert_allclose(lloyd_max(1)[1], 1 - 2 / math.pi, rtol=1e-9)
+    np.testing.assert_allclose(lloyd_max(4)[1], 0.0095, atol=1e-5)
+    assert compjax.eden(2).omega(10) == pytest.approx(0.1175 / 0.8825, rel=1e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_multibit_wire_unbiased_and_below_omega(bits):
+    comp = compjax.eden(bits)
+    payload = jax.eval_shape(comp.compress, jax.random.key(0), jnp.zeros(100))
+    assert payload.wire["codes"].dtype == jnp.uint8
+    assert compjax.wire_bits(payload) == 32 + 128 * bits == comp.bits((100,))
+    d = 256
+    fam = _family(d)
+    for name in ("gaussian", "two equal spikes", "(1, 1/2, 0, ...)"):
+        x = fam[name].astype(np.float32).astype(np.float64)
+        draws = draw(comp, jnp.asarray(x, jnp.float32), n=4000, seed=12)
+        _assert_unbiased_mc(draws, x)
+        np.testing.assert_allclose(draws @ x, np.sum(x**2), rtol=1e-4)
+        err = np.sum((draws - x) ** 2, axis=1) / np.sum(x**2)
+        se = err.std(ddof=1) / np.sqrt(len(err))
+        assert 0.9 * comp.omega(d) <= err.mean() <= comp.omega(d) + 5 * se, (name, err.mean())
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _shard_map_means(comp, mesh, keys, xs):
+    """The compressed mean over the 8 workers of ``xs`` for each key, under shard_map."""
+
+    def body(keys, x):
+        return jax.vmap(lambda k: compjax.compressed_mean(comp, k, x[0], "data").mean)(keys)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(keys, xs)
+
+
+def test_eight_workers_under_shard_map():
+    """Independent rotations per worker: the mean of 8 workers is unbiased and its error
+    is the sum of the workers' errors over 64 (each one's measured alone)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    d, n = 512, 2000
+    xs = np.random.default_rng(6).standard_normal((8, d)).astype(np.float32)
+    keys = jax.random.split(jax.random.key(8), n)
+    means = np.asarray(_shard_map_means(compjax.eden(), mesh, keys, jnp.asarray(xs)), np.float64)
+    target = xs.astype(np.float64).mean(0)
+    _assert_unbiased_mc(means, target)
+    single = [draw(compjax.eden(), jnp.asarray(x), n=500, seed=20 + i) for i, x in enumerate(xs)]
+    per_worker = [np.mean(np.sum((s - x) ** 2, axis=1)) for s, x in zip(single, xs, strict=True)]
+    expected = sum(per_worker) / 64
+    err = np.sum((means - target) ** 2, axis=1)
+    se = err.std(ddof=1) / np.sqrt(n)
+    assert abs(err.mean() - expected) <= 5 * se + 0.03 * expected, (err.mean(), expected)
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [
+        (lambda: compjax.eden(rounds=0), "rounds"),
+        (lambda: compjax.drive(rounds=1.5), "rounds"),
+        (lambda: compjax.eden(rounds=True), "rounds"),
+        (lambda: compjax.eden(bits=3), "bits"),
+        (lambda: compjax.eden(bits=0), "bits"),
+    ],
+)
+def test_bad_parameters_raise(build, name):
+    with pytest.raises(ValueError, match=name):
+        build()
