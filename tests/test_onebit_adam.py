@@ -459,17 +459,18 @@ def _ls_loss(x, a, b):
 
 
 def _train(tx, a, b, steps):
-    """Full-batch training with workers simulated by vmap; the final x."""
+    """Full-batch training with workers simulated by vmap; the iterates ``(steps, D)``."""
 
     def worker(a_i, b_i):
         def body(carry, _):
             x, s = carry
             u, s = tx.update(jax.grad(_ls_loss)(x, a_i, b_i), s, x)
-            return (optax.apply_updates(x, u), s), None
+            x = optax.apply_updates(x, u)
+            return (x, s), x
 
         x = jnp.zeros(D)
-        (x, _), _ = jax.lax.scan(body, (x, tx.init(x)), None, length=steps)
-        return x
+        _, xs = jax.lax.scan(body, (x, tx.init(x)), None, length=steps)
+        return xs
 
     return jax.jit(jax.vmap(worker, axis_name="data"))(a, b)[0]
 
@@ -486,20 +487,26 @@ def _mean_gradient_adam(lr):
 
 @pytest.mark.slow
 def test_converges_like_adam_on_least_squares():
-    """600 full-batch steps at lr 0.01, freeze_step 60: 1-bit Adam's excess loss is within
-    twice Adam's (measured 2.3e-4 against 1.6e-4, from 151 at x = 0), while the same 1-bit
-    messages without error feedback (signs into Adam) stay 100 times further (2.1e-2)."""
+    """600 full-batch steps at lr 0.01, freeze_step 60.  At a constant learning rate both
+    Adams end in a noise ball around x*, so the excess loss is averaged over the last 200
+    steps (a final iterate swings by 3x between runs that differ in float rounding): from 151
+    at x = 0, measured Adam 8.2e-3, 1-bit Adam 9.4e-4, and the same 1-bit messages without
+    error feedback (signs into Adam) 1.7e-2.  Asserted: 1-bit Adam within twice Adam's, and
+    signs without error feedback at least 10 times further than 1-bit Adam."""
     a, b = _least_squares()
     x_opt = jnp.linalg.lstsq(a.reshape(-1, D), b.reshape(-1))[0]
 
     def loss(x):
-        return float(jnp.mean(jax.vmap(_ls_loss, (None, 0, 0))(x, a, b)))
+        return jnp.mean(jax.vmap(_ls_loss, (None, 0, 0))(x, a, b))
 
-    start = loss(jnp.zeros(D)) - loss(x_opt)
-    adam = loss(_train(_mean_gradient_adam(0.01), a, b, 600)) - loss(x_opt)
-    onebit = loss(_train(compjax.onebit_adam(0.01, "data", 60), a, b, 600)) - loss(x_opt)
-    no_feedback = optax.chain(compjax.compress(compjax.sign(), "data"), optax.adam(0.01))
-    signs = loss(_train(no_feedback, a, b, 600)) - loss(x_opt)
-    assert start > 10 and 0 < adam < 1e-3
-    assert onebit < 2 * adam
-    assert signs > 20 * onebit
+    def excess(tx):
+        xs = _train(tx, a, b, 600)[-200:]
+        return float(jnp.mean(jax.vmap(loss)(xs))) - float(loss(x_opt))
+
+    start = float(loss(jnp.zeros(D)) - loss(x_opt))
+    adam = excess(_mean_gradient_adam(0.01))
+    onebit = excess(compjax.onebit_adam(0.01, "data", 60))
+    signs = excess(optax.chain(compjax.compress(compjax.sign(), "data"), optax.adam(0.01)))
+    assert start > 10 and 0 < adam < 1e-2, (start, adam)
+    assert onebit < 2 * adam, (onebit, adam)
+    assert signs > 10 * onebit, (signs, onebit)
