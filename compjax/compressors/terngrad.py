@@ -26,11 +26,17 @@ def clip_to_std(x: jax.Array, c: float) -> jax.Array:
 
     The std is computed on ``x 2**-e`` with ``2**e <= max|x| < 2**(e+1)`` (an
     exact scaling, :func:`compjax.numerics.unit_scale`) so that it can neither
-    overflow nor flush to zero.
+    overflow nor flush to zero.  A leaf whose entries are all equal (a scalar,
+    a single entry, a constant gradient) has ``sigma = 0`` and is not clipped:
+    clipping it to 0 would freeze it for ever, and its float std is a rounding
+    error whose size differs between ``jit`` and eager execution.
     """
-    e, _ = unit_scale(jnp.max(jnp.abs(x), initial=0.0))
-    sigma = ldexp(jnp.std(ldexp(x, -e)), e) if x.size else jnp.float32(0.0)
-    return jnp.clip(x, -c * sigma, c * sigma)
+    if not x.size:
+        return x
+    e, _ = unit_scale(jnp.max(jnp.abs(x)))
+    sigma = ldexp(jnp.std(ldexp(x, -e)), e)
+    spread = jnp.max(x) > jnp.min(x)
+    return jnp.where(spread, jnp.clip(x, -c * sigma, c * sigma), x)
 
 
 def ternarize(key, x: jax.Array, scale: jax.Array) -> jax.Array:

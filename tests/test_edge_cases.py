@@ -1,0 +1,48 @@
+"""Edge cases from the hostile-input audit: degenerate leaves, non-finite values, float64."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import compjax
+
+# --- TernGrad's clipping on leaves whose entries are all equal (sigma = 0) -------------------
+
+
+@pytest.mark.parametrize("shape", [(), (1,), (5,)])
+def test_clipped_terngrad_keeps_a_constant_leaf(shape):
+    """Clipping to 2.5 sigma with sigma = 0 would send 0 for ever; a constant leaf is not clipped.
+
+    Every entry equals the scaler, so each is kept with probability 1: exact.
+    """
+    x = jnp.full(shape, 0.7, jnp.float32)
+    out = jax.jit(compjax.terngrad(clip=2.5))(jax.random.key(0), x)
+    np.testing.assert_array_equal(out, x)
+
+
+def test_clipped_terngrad_agrees_in_jit_and_eager_on_a_constant_float16_leaf():
+    x = jnp.full((7,), 0.3, jnp.float16)
+    comp, key = compjax.terngrad(clip=2.5), jax.random.key(1)
+    eager = comp(key, x)
+    np.testing.assert_array_equal(jax.jit(comp)(key, x), eager)
+    np.testing.assert_array_equal(eager, x)
+
+
+def test_clipping_still_applies_to_a_leaf_with_spread():
+    x = jnp.array([0.0] * 9 + [10.0])  # sigma = 3: the outlier is clipped to 7.5
+    out = jax.vmap(lambda k: compjax.terngrad(clip=2.5)(k, x))(
+        jax.random.split(jax.random.key(2), 4000)
+    )
+    assert abs(float(out[:, -1].mean()) - 7.5) < 0.05
+
+
+def test_terngrad_allreduce_moves_a_scalar_parameter():
+    """A scalar parameter whose gradient is 0.7 on every worker gets the update 0.7, not 0."""
+    tx = compjax.terngrad_allreduce("data")  # clip=2.5 by default
+    params = {"s": jnp.zeros(()), "b": jnp.zeros((1,))}
+    grads = {"s": jnp.full((4,), 0.7), "b": jnp.full((4, 1), -0.2)}
+    state = jax.vmap(lambda _: tx.init(params))(jnp.arange(4))
+    updates, _ = jax.jit(jax.vmap(tx.update, axis_name="data"))(grads, state)
+    np.testing.assert_allclose(updates["s"], 0.7, rtol=1e-6)
+    np.testing.assert_allclose(updates["b"], -0.2, rtol=1e-6)
