@@ -80,14 +80,18 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def to_dtype(y: jax.Array, dtype) -> jax.Array:
-    """Cast ``y`` to ``dtype``, saturating at the target's largest finite value."""
+    """Cast ``y`` to ``dtype``, finite values saturating at the target's largest finite value.
+
+    Infinities stay infinite and NaN stays NaN: only rounding is kept from
+    overflowing, a non-finite value is never turned into a finite one.
+    """
     dtype = np.dtype(dtype)
     if y.dtype == dtype:
         return y
     if jnp.issubdtype(dtype, jnp.floating):
         limit = float(jnp.finfo(dtype).max)
         if limit < float(jnp.finfo(y.dtype).max):
-            y = jnp.clip(y, -limit, limit)
+            y = jnp.where(jnp.isinf(y), y, jnp.clip(y, -limit, limit))
     return y.astype(dtype)
 
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import all_compressors, roundtrip
 
 import compjax
 
@@ -46,3 +47,36 @@ def test_terngrad_allreduce_moves_a_scalar_parameter():
     updates, _ = jax.jit(jax.vmap(tx.update, axis_name="data"))(grads, state)
     np.testing.assert_allclose(updates["s"], 0.7, rtol=1e-6)
     np.testing.assert_allclose(updates["b"], -0.2, rtol=1e-6)
+
+
+# --- non-finite values through a compressor called directly ----------------------------------
+
+COMPRESSORS = all_compressors()
+#: One-bit signs cannot carry NaN (sign() sends it as +1, +-Inf as +-1); random-k sends only
+#: the entries it draws, whatever the others hold (so does a chain that starts with it).
+DROPS_NON_FINITE = {s for s in COMPRESSORS if s == "sign()" or "rand_k" in s}
+
+
+@pytest.mark.parametrize("spec", sorted(set(COMPRESSORS) - DROPS_NON_FINITE))
+def test_non_finite_input_gives_non_finite_output(spec):
+    comp = COMPRESSORS[spec]
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 5):
+            x = jnp.array([1.0, -2.0, 0.5, 3.0, -1.0, 0.25, 2.0, -0.75]).at[at].set(bad)
+            for seed in range(3):
+                out = np.asarray(roundtrip(comp, jax.random.key(seed), x)[1], np.float32)
+                assert not np.all(np.isfinite(out)), (bad, at, seed, out)
+
+
+def test_sign_sends_nan_as_plus_one_and_infinities_as_their_sign():
+    x = jnp.array([np.nan, np.inf, -np.inf, -2.0])
+    np.testing.assert_array_equal(compjax.sign()(None, x), [1.0, 1.0, -1.0, -1.0])
+
+
+def test_random_k_drops_the_entries_it_does_not_draw_and_keeps_those_it_does():
+    x = jnp.array([np.inf, 1.0, -2.0, 3.0])
+    np.testing.assert_array_equal(compjax.rand_k(ratio=1.0)(jax.random.key(0), x), x)
+    outs = jax.vmap(lambda k: compjax.rand_k(k=1)(k, x))(jax.random.split(jax.random.key(1), 64))
+    drew_inf = np.isinf(np.asarray(outs[:, 0]))
+    assert 0 < drew_inf.sum() < 64  # sometimes drawn (then Inf), otherwise dropped
+    assert np.all(np.isfinite(np.asarray(outs[~drew_inf])))

@@ -100,6 +100,10 @@ class Atomo(Compressor):
         values = jnp.where(used, flat[safe] / jnp.where(used, p[safe], 1.0), 0.0)
         if np.dtype(dtype).itemsize < 4:  # decoding rounds: round onto the grid here, unbiased
             values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
+        if d:  # an Inf/NaN has no probability to be kept with: send NaN (to entry 0) instead
+            bad = ~jnp.all(jnp.isfinite(flat))
+            idx = jnp.where(bad, 0, idx)
+            values = jnp.where(bad, jnp.nan, values)
         return {"indices": idx, "values": values}, {}
 
     def decode(self, wire, side, n, dtype):
@@ -146,6 +150,8 @@ class AtomoSVD(Compressor):
         safe = jnp.minimum(idx, max(rank - 1, 0))
         used = idx < rank
         scale = jnp.where(used, s[safe] / jnp.where(used, p[safe], 1.0), 0.0)
+        # An Inf/NaN makes the SVD meaningless: send NaN scales, which decode to NaN.
+        scale = jnp.where(jnp.all(jnp.isfinite(m)), scale, jnp.nan)
         wire = {"left": u[:, safe] * used, "right": vt[safe, :], "scales": scale}
         return self.payload(wire, {}, x)
 
