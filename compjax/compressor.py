@@ -53,6 +53,12 @@ def _check_input(x) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must be a floating point array, got dtype {x.dtype}")
+    if x.dtype.itemsize > 4:
+        # Computation is in float32: float64 values outside its range would become 0 or Inf.
+        raise ValueError(
+            f"x must be float32, bfloat16 or float16, got {x.dtype} (jax_enable_x64): "
+            f"compjax compresses in float32; cast the gradients to float32 first"
+        )
     return x
 
 

@@ -80,3 +80,16 @@ def test_random_k_drops_the_entries_it_does_not_draw_and_keeps_those_it_does():
     drew_inf = np.isinf(np.asarray(outs[:, 0]))
     assert 0 < drew_inf.sum() < 64  # sometimes drawn (then Inf), otherwise dropped
     assert np.all(np.isfinite(np.asarray(outs[~drew_inf])))
+
+
+# --- float64 with jax_enable_x64 -------------------------------------------------------------
+
+
+def test_float64_input_is_refused_with_a_clear_error():
+    """Computation is in float32: 1e300 would become Inf and 1e-300 zero, silently."""
+    with jax.enable_x64(True):
+        x = jnp.array([1e300, 1e-300, 1.0], jnp.float64)
+        assert x.dtype == jnp.float64
+        for comp in (compjax.qsgd(levels=4), compjax.top_k(k=1), compjax.identity()):
+            with pytest.raises(ValueError, match="float64"):
+                comp(jax.random.key(0), x)
