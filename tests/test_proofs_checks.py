@@ -42,6 +42,7 @@ def broken(monkeypatch):
     jax.clear_caches()
 
 
+@pytest.mark.slow  # every check in fast mode: 75 s alone, twice that beside another worker
 def test_fast_mode_passes():
     results, timings = run_all(fast=True)
     failed = [r for r in results if r.verdict == FAIL]
