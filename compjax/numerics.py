@@ -91,6 +91,8 @@ def to_dtype(y: jax.Array, dtype) -> jax.Array:
     if jnp.issubdtype(dtype, jnp.floating):
         limit = float(jnp.finfo(dtype).max)
         if limit < float(jnp.finfo(y.dtype).max):
+            # In float32 (at least), where the limit is exact: bfloat16 rounds 65504 to 65536.
+            y = y.astype(jnp.promote_types(y.dtype, jnp.float32))
             y = jnp.where(jnp.isinf(y), y, jnp.clip(y, -limit, limit))
     return y.astype(dtype)
 

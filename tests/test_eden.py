@@ -235,3 +235,16 @@ def test_eight_workers_under_shard_map():
 def test_bad_parameters_raise(build, name):
     with pytest.raises(ValueError, match=name):
         build()
+
+
+def test_tiny_leaves_are_biased_as_documented():
+    """With d' = 8 the randomized Hadamard rotations are too few: EDEN's mean is off."""
+    from test_numerics import assert_mean_is
+
+    x = jnp.asarray(np.random.default_rng(7).standard_normal(8), jnp.float32)
+    draws = np.asarray(
+        jax.vmap(lambda k: compjax.eden()(k, x))(jax.random.split(jax.random.key(0), 100_000)),
+        np.float64,
+    )
+    with pytest.raises(AssertionError, match="mean is off"):
+        assert_mean_is(draws, np.asarray(x, np.float64))

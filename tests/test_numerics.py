@@ -129,6 +129,7 @@ def test_entries_on_the_grid_decode_exactly(comp):
 
 RNG = np.random.default_rng(5)
 VEC16 = RNG.standard_normal(16)
+VEC64 = RNG.standard_normal(64)
 
 
 def low_precision_cases():
@@ -147,6 +148,17 @@ def low_precision_cases():
         "natural() bf16 normal": (compjax.natural(), VEC16 * 1e30, bf16),
         # float16's top binade: 2^16 decodes to 65504.
         "natural() f16 top binade": (compjax.natural(), [65504, -65000, 40000, 3.0], f16),
+        # Levels norm * 2^-k off the bf16 grid: bracketed as decoded.
+        "natural_dithering(3) bf16 [1, 0.0884]": (
+            compjax.natural_dithering(3),
+            [1.0, 0.0884],
+            bf16,
+        ),
+        "natural_dithering(4) f16 normal": (compjax.natural_dithering(4), VEC16 * 1e3, f16),
+        # The rotated decode rounded onto the grid at random.
+        # (64 entries: below d' = 16 the randomized rotation itself is biased, documented.)
+        "eden() bf16 normal": (compjax.eden(), VEC64, bf16),
+        "eden(bits=2) f16 normal": (compjax.eden(bits=2), VEC64 * 1e3, f16),
     }
 
 
