@@ -155,6 +155,7 @@ def test_one_round_fails_on_structured_inputs():
     np.testing.assert_allclose(np.sum((draws - x) ** 2, axis=1) / 2, 1.0, rtol=1e-5)
 
 
+@pytest.mark.slow  # also a proofs_checks claim (make proofs)
 def test_vnmse_is_pi_over_2_minus_1_in_high_dimension():
     """d = 2^14 Gaussian: EDEN's vNMSE within 1% of pi/2 - 1 (2 and 4 bits: of D/(1 - D));
     DRIVE's within 1% of 1 - 2/pi."""
@@ -204,6 +205,7 @@ def _shard_map_means(comp, mesh, keys, xs):
     return jax.shard_map(body, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(keys, xs)
 
 
+@pytest.mark.slow
 def test_eight_workers_under_shard_map():
     """Independent rotations per worker: the mean of 8 workers is unbiased and its error
     is the sum of the workers' errors over 64 (each one's measured alone)."""
@@ -237,6 +239,7 @@ def test_bad_parameters_raise(build, name):
         build()
 
 
+@pytest.mark.slow
 def test_tiny_leaves_are_biased_as_documented():
     """With d' = 8 the randomized Hadamard rotations are too few: EDEN's mean is off."""
     from test_numerics import assert_mean_is

@@ -66,7 +66,26 @@ BAD_INPUTS = jnp.array(
 )
 
 
-@pytest.mark.parametrize("spec", sorted(set(COMPRESSORS) - DROPS_NON_FINITE))
+#: One compressor of each family in the fast suite; the rest run with make test-slow.
+FAST_FAMILIES = {
+    "cast('float16')",
+    "atomo(budget=16)",
+    "atomo_svd(budget=2)",
+    "qsgd(levels=4)",
+    "terngrad(clip=2.5)",
+    "eden()",
+    "top_k(ratio=0.01)",
+    "natural()",
+}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        s if s in FAST_FAMILIES else pytest.param(s, marks=pytest.mark.slow)
+        for s in sorted(set(COMPRESSORS) - DROPS_NON_FINITE)
+    ],
+)
 def test_non_finite_input_gives_non_finite_output(spec):
     comp = COMPRESSORS[spec]
     keys = jax.random.split(jax.random.key(0), len(BAD_INPUTS))

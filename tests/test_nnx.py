@@ -105,7 +105,13 @@ LOSSLESS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(LOSSLESS))
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in ("compress", "diana") else pytest.param(n, marks=pytest.mark.slow)
+        for n in LOSSLESS
+    ],
+)
 def test_nnx_optimizer_with_a_lossless_compressor_is_pooled_sgd(name):
     params, _ = nnx_train(optax.chain(LOSSLESS[name](), optax.sgd(LR)))
     assert_trees_close(params, pooled_sgd(), atol=1e-6)

@@ -78,7 +78,20 @@ def abstract(tree):
     return jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
 
 
-@pytest.mark.parametrize("name", list(BUILDERS))
+#: State kinds the fast suite checkpoints (per-worker memories, server memories, PowerSGD's
+#: None leaves, counters, 1-bit Adam's two memories); the rest run with make test-slow.
+FAST = {
+    "error_feedback(top_k)",
+    "diana(qsgd, scatter_gather)",
+    "powersgd",
+    "strom_threshold",
+    "onebit_adam",
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in BUILDERS]
+)
 def test_standard_checkpointer_continues_bit_identically(name, tmp_path):
     _, _, init, run, batch = setup(BUILDERS[name](), name in PER_EXAMPLE)
     params, state = W0, init(W0)
