@@ -122,7 +122,8 @@ class QSGD(Compressor):
         d = flat.shape[0]
         size, count = self._buckets(d)
         xb = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
-        norms = safe_norm(xb, axis=1)
+        # A norm beyond the float32 range saturates at its largest value (biased, finite).
+        norms = jnp.minimum(safe_norm(xb, axis=1), np.finfo(np.float32).max)
         level = self.quantize(key, magnitude(xb), norms[:, None], dtype).astype(jnp.uint32)
         sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
         codes = (level | sign).reshape(-1)[:d]
