@@ -116,8 +116,11 @@ class NaturalDithering(Compressor):
 
     def encode(self, key, flat, dtype):
         s = self.levels
-        # A norm beyond the float32 range saturates at its largest value (biased, finite).
-        norm = jnp.minimum(p_norm(flat, self.p), jnp.finfo(jnp.float32).max)
+        # A norm of finite entries beyond the float32 range saturates at its largest value
+        # (biased, finite); an Inf/NaN entry keeps it non-finite, so the decode is too.
+        norm = p_norm(flat, self.p)
+        overflow = jnp.isinf(norm) & jnp.isfinite(jnp.max(jnp.abs(flat), initial=0.0))
+        norm = jnp.where(overflow, jnp.finfo(jnp.float32).max, norm)
         mag = jnp.abs(flat)
         y = jnp.minimum(jnp.abs(safe_divide(flat, norm)), 1.0)
         # y in [2^e, 2^(e+1)): frexp gives y = f 2^k with f in [1/2, 1), so e = k - 1.

@@ -122,8 +122,12 @@ class QSGD(Compressor):
         d = flat.shape[0]
         size, count = self._buckets(d)
         xb = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
-        # A norm beyond the float32 range saturates at its largest value (biased, finite).
-        norms = jnp.minimum(safe_norm(xb, axis=1), np.finfo(np.float32).max)
+        # A norm of finite entries beyond the float32 range saturates at its largest value
+        # (biased, finite); an Inf/NaN entry keeps it non-finite, so the decode is too.
+        norms = safe_norm(xb, axis=1)
+        # (max|x|: the reduction safe_norm already makes, shared by XLA, no second pass.)
+        overflow = jnp.isinf(norms) & jnp.isfinite(jnp.max(jnp.abs(xb), axis=1, initial=0.0))
+        norms = jnp.where(overflow, np.finfo(np.float32).max, norms)
         level = self.quantize(key, magnitude(xb), norms[:, None], dtype).astype(jnp.uint32)
         sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
         codes = (level | sign).reshape(-1)[:d]
