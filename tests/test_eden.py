@@ -129,7 +129,13 @@ def _family(d):
     }
 
 
-@pytest.mark.parametrize("name", list(_family(64)))
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n in ("gaussian", "two equal spikes") else pytest.param(n, marks=pytest.mark.slow)
+        for n in _family(64)
+    ],
+)
 def test_unbiased_and_vnmse_below_omega(name):
     """Three rounds: on every family the mean passes a chi-square test and the vNMSE
     is below omega within 5 standard errors (and at least 0.9 omega, so omega/2 fails)."""

@@ -165,7 +165,20 @@ def low_precision_cases():
 LOW = low_precision_cases()
 
 
-@pytest.mark.parametrize("name", list(LOW))
+#: The audit's cases and one per compressor family in the fast suite; the rest in make test-slow.
+LOW_FAST = {
+    "qsgd(1) bf16 [1, 0.0884]",
+    "qsgd(1) f16 [60000]*4",
+    "terngrad() bf16 normal",
+    "natural() f16 top binade",
+    "natural_dithering(3) bf16 [1, 0.0884]",
+    "eden() bf16 normal",
+}
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in LOW_FAST else pytest.param(n, marks=pytest.mark.slow) for n in LOW]
+)
 def test_unbiased_in_low_precision(name):
     comp, x, dtype = LOW[name]
     x = jnp.asarray(x, dtype)

@@ -77,7 +77,15 @@ def avals(tree):
 # --- the default: float32 state for bfloat16 gradients ---------------------------------------
 
 
-@pytest.mark.parametrize("name", list(STATEFUL))
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        if n in ("error_feedback(top_k)", "dgc", "powersgd", "strom_threshold")
+        else pytest.param(n, marks=pytest.mark.slow)
+        for n in STATEFUL
+    ],
+)
 def test_bfloat16_gradients_keep_float32_state_and_bfloat16_updates(name):
     tx = STATEFUL[name]()
     half = jax.tree.map(lambda p: p.astype(BF16), PARAMS)

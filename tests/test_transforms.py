@@ -259,7 +259,7 @@ def test_sign_majority_vote_semantics():
         np.testing.assert_array_equal(upd["x"], np.broadcast_to(expect, (3, 4)))
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_sign_vote_scatter_gather_is_the_all_gather_vote(n):
     """Every worker gets the all-gather's vote, ties (even n) included; d = 37 pads the
     last shard.  The messages: the packed signs of n shards, then one shard's outcome in
