@@ -76,3 +76,22 @@ def unpack(packed: jax.Array, width: int, n: int) -> jax.Array:
     shifts = jnp.uint32(width) * jnp.arange(32 // width, dtype=jnp.uint32)
     codes = (words[:, None] >> shifts) & jnp.uint32((1 << width) - 1)
     return codes.reshape(-1)[:n]
+
+
+class SignMagnitude:
+    """Sign-magnitude codes of level indices ``0..levels``, for compressors with ``levels``.
+
+    ``magnitude_bits`` hold the level, the sign sits in the top bit of a code
+    ``width`` bits wide (:func:`code_width`: a packable 1, 2, 4, 8, ... bits).
+    """
+
+    levels: int
+
+    @property
+    def magnitude_bits(self) -> int:
+        return int(self.levels).bit_length()
+
+    @property
+    def width(self) -> int:
+        """Packed width of one sign-magnitude code (sign in the top bit)."""
+        return code_width((1 << (self.magnitude_bits + 1)) - 1)

@@ -16,6 +16,7 @@ import pytest
 from helpers import assert_mean_error, assert_unbiased, draw, roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
+from test_unbiased import _vector
 
 import compjax
 from compjax.compressors.dithering import natural_dithering_paper_bound
@@ -36,19 +37,6 @@ def dithering_variance(x, s, p=2.0):
     return norm**2 * (hi - y) * (y - lo)
 
 
-def _vector(seed, kind, d=D):
-    rng = np.random.default_rng(seed)
-    if kind == 0:
-        x = rng.standard_normal(d)
-    elif kind == 1:
-        x = rng.standard_cauchy(d)
-    elif kind == 2:
-        x = rng.standard_normal(d) * (rng.random(d) < 0.2)
-    else:
-        x = rng.choice([-1.5, 0.25, 1.0], size=d)
-    return np.asarray(x * 10.0 ** rng.integers(-3, 4), np.float32).astype(np.float64)
-
-
 CASES = {
     "s=3": (compjax.natural_dithering(3), 3, 2.0),
     "s=8": (compjax.natural_dithering(8), 8, 2.0),
@@ -61,7 +49,7 @@ CASES = {
 @given(seed=st.integers(0, 2**31), kind=st.sampled_from(range(4)))
 def test_unbiased_with_exact_variance_below_omega(name, seed, kind):
     comp, s, p = CASES[name]
-    x = _vector(seed, kind)
+    x = _vector(seed, kind, D)
     var = dithering_variance(x, s, p)
     assert var.sum() <= comp.omega(D) * np.sum(x**2) * (1 + 1e-9)
     assert var.sum() <= natural_dithering_paper_bound(D, s, p) * np.sum(x**2) * (1 + 1e-9)

@@ -94,21 +94,12 @@ def _level_value(code: jax.Array, levels: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class NaturalDithering(Compressor):
+class NaturalDithering(packing.SignMagnitude, Compressor):
     """Natural dithering with ``levels`` nonzero levels.  See :func:`natural_dithering`."""
 
     levels: int = 8
     p: float = 2.0
     unbiased: ClassVar[bool] = True
-
-    @property
-    def magnitude_bits(self) -> int:
-        return int(self.levels).bit_length()
-
-    @property
-    def width(self) -> int:
-        """Packed width of one sign-magnitude code (sign in the top bit)."""
-        return packing.code_width((1 << (self.magnitude_bits + 1)) - 1)
 
     def grid(self, norm: jax.Array, code: jax.Array, dtype) -> jax.Array:
         """The magnitude ``code`` decodes to, ``norm * level(code)``, on ``dtype``'s grid."""

@@ -49,21 +49,12 @@ def _with_sign(value: jax.Array, sign: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGD(Compressor):
+class QSGD(packing.SignMagnitude, Compressor):
     """QSGD with ``levels`` levels, one norm per bucket.  See :func:`qsgd`."""
 
     levels: int = 4
     bucket_size: int | None = None
     unbiased: ClassVar[bool] = True
-
-    @property
-    def magnitude_bits(self) -> int:
-        return int(self.levels).bit_length()
-
-    @property
-    def width(self) -> int:
-        """Packed width of one sign-magnitude code (sign in the top bit)."""
-        return packing.code_width((1 << (self.magnitude_bits + 1)) - 1)
 
     def _buckets(self, d: int) -> tuple[int, int]:
         size = max(self.bucket_size or d, 1)
