@@ -7,7 +7,9 @@ takes one as ``exchange=``; the default is ``"all_gather"``):
   all-gathered and every worker decodes and adds all ``n`` of them.  Each
   worker receives ``(n - 1) M_c`` bits: traffic grows with ``n``.
   ``linear`` compressors (identity, cast, random-k with a shared seed) ``psum``
-  their payloads instead and decode once, whatever the exchange.
+  their payloads instead and decode once, whatever the exchange; so do
+  ``summable`` ones (:func:`compjax.int_quant`), after a ``pmax`` of their
+  scale, with integer codes in fields wide enough for ``n`` summands.
 * ``"scatter_gather"``: a compressed all-reduce.  The flat array is split into
   ``n`` shards; each worker compresses every shard and ``all_to_all`` sends
   shard ``j`` to worker ``j`` (*scatter*), which decodes and sums it
@@ -199,12 +201,15 @@ def compressed_mean(
     n = num_workers(axis_name)
     if n == 1:
         payload = comp.compress(key, x)
-        record("payload", payload, "all_reduce" if comp.linear else "all_gather", axis_name)
+        via = "all_reduce" if comp.linear or _summable(comp) else "all_gather"
+        record("payload", payload, via, axis_name)
         local = comp.decompress(payload)
         return Exchanged(mean=local, local=local, memory=memory)
     if fast:
         slow = tuple(a for a in names if a not in fast)
         total, local, memory = _hierarchical(comp, key, x, memory, slow, fast, exchange.kind)
+    elif _summable(comp):
+        total, local = _summed(comp, key, x.reshape(-1), names, n)
     elif comp.linear or exchange.kind == "all_gather":
         total, local = _gathered(comp, key, x, names, n)
     else:
@@ -247,6 +252,22 @@ def _gathered(comp, key, x, names, n):
     record("payload", payload, "all_gather", names)
     total = decoded_sum(comp, collectives.all_gather(payload, names), n)
     return total, comp.decompress(payload)
+
+
+def _summable(comp: Compressor) -> bool:
+    """Whether ``comp``'s integer codes for a shared scale sum (:func:`compjax.int_quant`)."""
+    return getattr(comp, "summable", False)
+
+
+def _summed(comp, key, flat, names, n):
+    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(sum, own decoded)``."""
+    scale = collectives.pmax(comp.scale_of(flat), names)
+    record("scale", scale, "all_reduce", names)
+    words = comp.encode_words(collectives.worker_key(key, names), flat, scale, n)
+    record("payload", words, "all_reduce", names)
+    d = flat.shape[0]
+    total = comp.decode_words(collectives.psum(words, names), scale, n, n, d)
+    return total, comp.decode_words(words, scale, 1, n, d)
 
 
 def _pad(flat: jax.Array, size: int) -> jax.Array:

@@ -29,6 +29,7 @@ CATALOGUE_SPECS = (
     "natural_dithering(levels=7)",
     "natural_dithering(levels=8, p=float('inf'))",
     "sign()",
+    "int_quant(bits=4)",
     "eden()",
     "eden(bits=2)",
     "eden(bits=4)",

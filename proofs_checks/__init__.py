@@ -29,10 +29,12 @@ MODULES = (
     "natural",
     "natural_dithering",
     "eden",
+    "int_quant",
     "atomo",
     "contraction",
     "two_stage",
     "error_feedback",
+    "onebit_adam",
     "diana",
     "dad",
 )

@@ -40,7 +40,7 @@ INIT_TIMEOUT_S = 60
 
 
 def transforms() -> dict[str, optax.GradientTransformation]:
-    """The transformations under test: the all_gather, psum and scatter-gather paths."""
+    """The transformations under test: all_gather, psum, integer-sum and scatter-gather paths."""
     return {
         "compress_qsgd": compjax.compress(compjax.qsgd(levels=4), AXIS),
         "compress_rand_k_shared": compjax.compress(
@@ -48,6 +48,7 @@ def transforms() -> dict[str, optax.GradientTransformation]:
         ),
         "error_feedback_top_k": compjax.error_feedback(compjax.top_k(ratio=0.3), AXIS),
         "diana_qsgd": compjax.diana(compjax.qsgd(levels=4), AXIS),
+        "diana_int_quant": compjax.diana(compjax.int_quant(4), AXIS),
         "compress_qsgd_scatter_gather": compjax.compress(
             compjax.qsgd(levels=4), AXIS, exchange="scatter_gather"
         ),

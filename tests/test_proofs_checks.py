@@ -92,6 +92,23 @@ def test_a_wrong_natural_dithering_or_eden_omega_is_caught(broken, nat_factor, e
     assert by_claim(results, "natural dithering obeys the theorem")[0].verdict == PASS
 
 
+@pytest.mark.slow  # 10 s: the whole int_quant module in fast mode
+@pytest.mark.parametrize("factor", [0.9, 1.1])
+def test_a_wrong_int_quant_omega_is_caught(broken, factor):
+    module = compjax.compressors.int_quant
+    original = module.int_quant_omega
+
+    def wrong(d, bits):
+        return factor * original(d, bits)
+
+    broken.setattr(module, "int_quant_omega", wrong)
+    broken.setattr(compjax, "int_quant_omega", wrong)
+    results, _ = run_all(fast=True, modules=("int_quant",))
+    assert by_claim(results, "integer quantization omega(d)")[0].verdict == FAIL
+    assert by_claim(results, "shared-scale integer sum")[0].verdict == FAIL
+    assert by_claim(results, "integer quantization is unbiased")[0].verdict == PASS
+
+
 def test_a_biased_sampler_is_caught(broken):
     original = compjax.compressors.terngrad.ternarize
 
