@@ -38,6 +38,11 @@ from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
 from compjax.transforms.strom import StromState, strom_threshold
 from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
 from compjax.transforms.variance_based import VarianceBasedState, per_example_grads, variance_based
+from compjax.transforms.zero_one_adam import (
+    ZeroOneAdamState,
+    scale_by_zero_one_adam,
+    zero_one_adam,
+)
 
 __version__ = "0.1.0"
 
@@ -58,6 +63,7 @@ __all__ = [
     "StromState",
     "TernGradState",
     "VarianceBasedState",
+    "ZeroOneAdamState",
     "atomo",
     "atomo_svd",
     "blockwise",
@@ -97,6 +103,7 @@ __all__ = [
     "rank_dad_grads",
     "real_bits_sent",
     "scale_by_onebit_adam",
+    "scale_by_zero_one_adam",
     "scaled",
     "scaled_sign",
     "sign",
@@ -110,4 +117,5 @@ __all__ = [
     "variance_based",
     "wire_bits",
     "worker_params",
+    "zero_one_adam",
 ]

@@ -176,6 +176,8 @@ TRANSFORMS = {
     # freeze_step=1: the one step taken is already the compressed phase.
     "scale_by_onebit_adam": lambda: compjax.scale_by_onebit_adam("data", freeze_step=1),
     "onebit_adam": lambda: compjax.onebit_adam(0.1, "data", freeze_step=1),
+    "scale_by_zero_one_adam": lambda: compjax.scale_by_zero_one_adam("data", 2, 1),
+    "zero_one_adam": lambda: compjax.zero_one_adam(0.1, "data", 2, 1),
 }
 GRAD_SHAPES = {"w": (3, 5), "b": (1,)}
 

@@ -37,6 +37,8 @@ BUILDERS = {
     "strom_threshold": lambda: compjax.strom_threshold("data", 0.05, budget=0.5),
     # Compressed from the third step on: the checkpoint holds both error memories.
     "onebit_adam": lambda: compjax.scale_by_onebit_adam("data", freeze_step=2),
+    # Variance steps 1, 2, 4; 1-bit gradients at 3 and 5; frozen momentum from step 6.
+    "zero_one_adam": lambda: compjax.scale_by_zero_one_adam("data", 4, 2),
 }
 #: Transformations whose input is per-example gradients.
 PER_EXAMPLE = {"variance_based"}

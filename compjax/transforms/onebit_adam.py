@@ -83,7 +83,7 @@ def _is_number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool)
 
 
-def _check(freeze_step, b1, b2, eps) -> None:
+def check_hyperparams(freeze_step, b1, b2, eps) -> None:
     """Construction-time checks of the Python numbers (arrays, e.g. from
     ``optax.inject_hyperparams``, pass through)."""
     if isinstance(freeze_step, bool | float) or (_is_number(freeze_step) and freeze_step < 1):
@@ -96,6 +96,21 @@ def _check(freeze_step, b1, b2, eps) -> None:
             raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
     if _is_number(eps) and not eps > 0.0:
         raise ValueError(f"eps must be > 0, got {eps!r}")
+
+
+def error_compensated_mean(comp, key, x, error, memory, axis_name, exchange):
+    """The compressed all-reduce with worker and server error feedback, in float32.
+
+    Worker ``i`` sends ``C(x_i + e_i)`` and keeps ``e_i <- x_i + e_i - C(x_i +
+    e_i)``; the shard owners' ``memory`` is the server error.
+
+    Returns:
+      ``(mean, new error, new memory)``.
+    """
+    compensated = x + error
+    sent = compressed_mean(comp, key, compensated, axis_name, exchange, memory)
+    new_error = compensated - sent.local.astype(jnp.float32)
+    return sent.mean.astype(jnp.float32), new_error, sent.memory
 
 
 def scale_by_onebit_adam(
@@ -179,7 +194,7 @@ def scale_by_onebit_adam(
       Tang, Yu, Lian, Zhang, Liu, "DoubleSqueeze: Parallel Stochastic Gradient
       Descent with Double-Pass Error-Compensated Compression", ICML 2019.
     """
-    _check(freeze_step, b1, b2, eps)
+    check_hyperparams(freeze_step, b1, b2, eps)
     check_grouping(flatten, bucket_size)
     comp = l2_scaled_sign() if comp is None else comp
     as_exchange(exchange)
@@ -225,13 +240,11 @@ def scale_by_onebit_adam(
             out, new_mus, new_errors, new_memories = [], [], [], []
             for k, g, m, v, e, s in zip(keys, grads, mus, nus, errors, memories, strict=True):
                 local = b1 * m + (1.0 - b1) * g.astype(jnp.float32)
-                compensated = local + e
-                sent = compressed_mean(comp, k, compensated, axis_name, exchange, s)
-                m = sent.mean.astype(jnp.float32)
+                m, e, s = error_compensated_mean(comp, k, local, e, s, axis_name, exchange)
                 out.append(m / (jnp.sqrt(v) + eps))
                 new_mus.append(m)
-                new_errors.append(compensated - sent.local.astype(jnp.float32))
-                new_memories.append(sent.memory)
+                new_errors.append(e)
+                new_memories.append(s)
             return out, new_mus, nus, new_errors, new_memories
 
         out, mus, nus, errors, memories = jax.lax.cond(

@@ -1,0 +1,278 @@
+"""0/1 Adam without local steps: adaptive variance freezing and 1-bit synchronisation.
+
+0/1 Adam (Lu et al. 2022) removes 1-bit Adam's uncompressed warm-up.  With
+the step ``t`` counted from 1, while ``t <= var_freeze_step + 1``:
+
+* on a **variance step** (``t`` a multiple of ``var_interval``) the gradient
+  is all-reduced uncompressed and both moments are updated,
+  ``m <- b1 m + (1 - b1) g``, ``v <- b2 v + (1 - b2) g^2``.  Every
+  ``var_update_scaler`` variance steps the interval doubles (1, 2, 4, ...:
+  the set ``T_v`` of the paper grows ever sparser);
+* on every other step the *gradient* travels through the 1-bit compressed
+  all-reduce with worker and server error feedback, ``g_hat``, and only the
+  momentum moves: ``m <- b1 m + (1 - b1) g_hat``.
+
+From then on ``v`` is frozen, the error buffers start again from zero (the
+compressed quantity changes from gradients to momenta), and each step is
+1-bit Adam's compression stage: ``m_i = b1 m + (1 - b1) g_i`` averaged
+through the error-compensated compressed all-reduce.  Every step updates
+with ``m / (sqrt(v) + eps)`` (no bias correction), as DeepSpeed's
+``ZeroOneAdam`` does.
+
+**Not implemented: the local steps** (the paper's ``T_u``, DeepSpeed's
+``local_step_scaler`` and ``local_step_clipper``).  There the workers skip
+synchronisations and step their own parameters apart until the next one;
+compjax's transformations keep the parameters replicated, so this is 0/1
+Adam with a synchronisation at every step (``local_step_clipper = 1``, under
+which DeepSpeed's frozen phase reduces to the same 1-bit momentum exchange).
+DeepSpeed's first ``step()`` call only allocates its buffers; here the first
+step is a real one.
+
+References:
+  Lu, Li, Zhang, Tang, Awan, He, "Maximizing Communication Efficiency for
+  Large-scale Training via 0/1 Adam", ICLR 2023 (arXiv:2202.06009).
+  Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with
+  Adam's Convergence Speed", ICML 2021.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from compjax.collectives import AxisName, unrecorded
+from compjax.compressor import Compressor
+from compjax.compressors.dense import identity
+from compjax.compressors.l2_sign import l2_scaled_sign
+from compjax.exchange import Exchange, as_exchange, compressed_mean
+from compjax.transforms.base import (
+    Leaves,
+    ServerMemory,
+    any_non_finite,
+    check_grouping,
+    counted,
+    guarded,
+    init_key,
+    saturated,
+    step_keys,
+)
+from compjax.transforms.onebit_adam import check_hyperparams, error_compensated_mean
+
+
+class ZeroOneAdamState(NamedTuple):
+    """State of :func:`scale_by_zero_one_adam` (moments and memories in float32).
+
+    Attributes:
+      count: steps taken (int32, shared).
+      var_interval: the current interval between variance steps (int32).
+      var_counter: variance steps taken at this interval (int32).
+      mu: the momentum, shared.
+      nu: the variance, shared.
+      error: per-worker error of the worker-side compression.
+      server_error: per-worker memories of the shard owners (``()`` on an
+        all-gather).
+      key: shared PRNG key (raw uint32).
+    """
+
+    count: jax.Array
+    var_interval: jax.Array
+    var_counter: jax.Array
+    mu: Any
+    nu: Any
+    error: Any
+    server_error: Any
+    key: jax.Array
+    PER_WORKER = ("error", "server_error")
+
+
+def variance_steps(var_update_scaler: int, var_freeze_step: int) -> list[int]:
+    """The steps (from 1) on which the variance is updated: the paper's ``T_v``.
+
+    ``var_update_scaler`` steps at interval 1, then as many at interval 2
+    (the multiples of 2), 4, ..., up to ``var_freeze_step + 1``.
+    """
+    steps, interval, counter = [], 1, 0
+    for t in range(1, var_freeze_step + 2):
+        if t % interval == 0:
+            steps.append(t)
+            counter += 1
+            if counter == var_update_scaler:
+                counter, interval = 0, 2 * interval
+    return steps
+
+
+def scale_by_zero_one_adam(
+    axis_name: AxisName,
+    var_freeze_step: int,
+    var_update_scaler: int = 16,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    *,
+    comp: Compressor | None = None,
+    exchange: str | Exchange = "scatter_gather",
+    flatten: bool = False,
+    bucket_size: int | None = None,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """0/1 Adam's direction ``m / (sqrt(v) + eps)`` (no local steps; see the module docstring).
+
+    ``compjax.communication`` reports one compressed round (a 1-bit gradient
+    round and a 1-bit momentum round send the same messages); variance steps
+    all-reduce the gradient uncompressed.
+
+    Args:
+      axis_name: the data-parallel axis (or axes; ``None`` for one worker).
+      var_freeze_step: the last step (from 1) on which the variance may be
+        updated (DeepSpeed's default 100000; its tutorial uses the end of the
+        learning-rate warm-up).
+      var_update_scaler: variance steps per interval before it doubles (the
+        paper's kappa; DeepSpeed's default 16).
+      b1, b2, eps: Adam's constants.
+      comp, exchange, flatten, bucket_size, seed: as
+        :func:`compjax.scale_by_onebit_adam` (default: the l2-scaled 1-bit
+        sign over the scatter-gather compressed all-reduce).
+
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`ZeroOneAdamState`.
+
+    Raises:
+      ValueError: ``var_freeze_step`` or ``var_update_scaler`` not an integer
+        >= 1, a beta outside ``[0, 1)``, ``eps <= 0``, or a bad
+        ``exchange``/``bucket_size``.
+
+    References:
+      Lu et al., "Maximizing Communication Efficiency for Large-scale
+      Training via 0/1 Adam", ICLR 2023, Algorithm 1 (with ``T_u`` every step).
+    """
+    check_hyperparams(1, b1, b2, eps)
+    for name, value in (
+        ("var_freeze_step", var_freeze_step),
+        ("var_update_scaler", var_update_scaler),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_grouping(flatten, bucket_size)
+    comp = l2_scaled_sign() if comp is None else comp
+    as_exchange(exchange)
+    server = ServerMemory(comp, exchange)
+    dense = identity()
+    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
+
+    def init_fn(params):
+        leaves = Leaves(params, flatten, bucket_size)
+        return ZeroOneAdamState(
+            count=jnp.zeros([], jnp.int32),
+            var_interval=jnp.ones([], jnp.int32),
+            var_counter=jnp.zeros([], jnp.int32),
+            mu=leaves.shared_state(f32),
+            nu=leaves.shared_state(f32),
+            error=leaves.worker_state(f32),
+            server_error=server.init(leaves),
+            key=init_key(seed),
+        )
+
+    def update_fn(updates, state, params=None):
+        leaves = Leaves(updates, flatten, bucket_size)
+        bad = any_non_finite(leaves.arrays, axis_name)
+        mus = leaves.read(state.mu, "mu", per_worker=False)
+        nus = leaves.read(state.nu, "nu", per_worker=False)
+        errors = leaves.read(state.error, "error", per_worker=True)
+        old_memories = server.read(leaves, state.server_error)
+        key, keys = step_keys(state.key, len(leaves.arrays))
+        step = state.count + 1
+        adaptive = state.count <= var_freeze_step
+        variance_step = adaptive & (step % state.var_interval == 0)
+        # The first frozen step starts the buffers afresh: they held gradients' errors.
+        restart = state.count == var_freeze_step + 1
+        errors = [jnp.where(restart, 0.0, e) for e in errors]
+        memories = [None if s is None else jnp.where(restart, 0.0, s) for s in old_memories]
+
+        # New closures at every trace: lax.switch caches traced branches (see 1-bit Adam).
+        def dense_step(grads, keys, mus, nus, errors, memories):
+            with unrecorded():
+                new_mus, new_nus = [], []
+                for k, g, m, v in zip(keys, grads, mus, nus, strict=True):
+                    mean = compressed_mean(dense, k, g, axis_name).mean.astype(jnp.float32)
+                    new_mus.append(b1 * m + (1.0 - b1) * mean)
+                    new_nus.append(saturated(b2 * v + (1.0 - b2) * jnp.square(mean)))
+            return new_mus, new_nus, errors, memories
+
+        def gradient_step(grads, keys, mus, nus, errors, memories):
+            with unrecorded():  # the same messages as a momentum step, reported once
+                new_mus, new_errors, new_memories = [], [], []
+                for k, g, m, e, s in zip(keys, grads, mus, errors, memories, strict=True):
+                    g = g.astype(jnp.float32)
+                    g_hat, e, s = error_compensated_mean(comp, k, g, e, s, axis_name, exchange)
+                    new_mus.append(b1 * m + (1.0 - b1) * g_hat)
+                    new_errors.append(e)
+                    new_memories.append(s)
+            return new_mus, nus, new_errors, new_memories
+
+        def momentum_step(grads, keys, mus, nus, errors, memories):
+            new_mus, new_errors, new_memories = [], [], []
+            for k, g, m, e, s in zip(keys, grads, mus, errors, memories, strict=True):
+                local = b1 * m + (1.0 - b1) * g.astype(jnp.float32)
+                m, e, s = error_compensated_mean(comp, k, local, e, s, axis_name, exchange)
+                new_mus.append(m)
+                new_errors.append(e)
+                new_memories.append(s)
+            return new_mus, nus, new_errors, new_memories
+
+        branch = jnp.where(variance_step, 0, jnp.where(adaptive, 1, 2))
+        operands = (leaves.arrays, keys, mus, nus, errors, memories)
+        mus, nus, errors, memories = jax.lax.switch(
+            branch, (dense_step, gradient_step, momentum_step), *operands
+        )
+        out = [
+            (m / (jnp.sqrt(v) + eps)).astype(g.dtype)
+            for m, v, g in zip(mus, nus, leaves.arrays, strict=True)
+        ]
+        counter = state.var_counter + variance_step.astype(jnp.int32)
+        doubled = counter == var_update_scaler
+        new_state = ZeroOneAdamState(
+            count=step,
+            var_interval=jnp.where(doubled, 2 * state.var_interval, state.var_interval),
+            var_counter=jnp.where(doubled, 0, counter),
+            mu=leaves.write(mus, per_worker=False),
+            nu=leaves.write(nus, per_worker=False),
+            error=leaves.write(errors, per_worker=True),
+            server_error=server.write(leaves, memories, old_memories),
+            key=key,
+        )
+        out, new_state = guarded(bad, out, new_state, state)
+        return leaves.rebuild(out), new_state
+
+    return optax.GradientTransformation(init_fn, counted(update_fn))
+
+
+def zero_one_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    axis_name: AxisName,
+    var_freeze_step: int,
+    var_update_scaler: int = 16,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    **kwargs,
+) -> optax.GradientTransformation:
+    """0/1 Adam with a learning rate: :func:`scale_by_zero_one_adam`, then ``-learning_rate``.
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      axis_name, var_freeze_step, var_update_scaler, b1, b2, eps: see
+        :func:`scale_by_zero_one_adam`; ``kwargs``: its keyword options.
+
+    References:
+      Lu et al., "Maximizing Communication Efficiency for Large-scale
+      Training via 0/1 Adam", ICLR 2023.
+    """
+    return optax.chain(
+        scale_by_zero_one_adam(
+            axis_name, var_freeze_step, var_update_scaler, b1, b2, eps, **kwargs
+        ),
+        optax.scale_by_learning_rate(learning_rate),
+    )
