@@ -43,22 +43,47 @@ def one_bit(x):
     return np.linalg.norm(x) / np.sqrt(x.size) * np.where(x < 0, -1.0, 1.0)
 
 
+def compressed_allreduce(x, err, server, n, server_stage):
+    """DeepSpeed's compressed all-reduce of ``x`` (n, d); updates ``err``, ``server`` in place.
+
+    Each worker adds its error and sends the 1-bit message of each of the n
+    chunks (the all-to-all); the owner of chunk j averages the n messages,
+    adds its server error and sends the 1-bit message of the result, which
+    everyone gathers.  Without the server stage each worker sends its whole
+    vector compressed and the result is the mean.
+    """
+    d = x.shape[1]
+    c = d // n
+    sent = np.zeros((n, d))
+    for i in range(n):
+        p = x[i] + err[i]
+        if server_stage:
+            for j in range(n):
+                sent[i, j * c : (j + 1) * c] = one_bit(p[j * c : (j + 1) * c])
+        else:
+            sent[i] = one_bit(p)
+        err[i] = p - sent[i]
+    avg = sent.mean(axis=0)
+    if server_stage:
+        for j in range(n):
+            chunk = slice(j * c, (j + 1) * c)
+            r = avg[chunk] + server[chunk]
+            avg[chunk] = one_bit(r)
+            server[chunk] = r - avg[chunk]
+    return avg
+
+
 def reference(grads, n, freeze, server_stage):
     """1-bit Adam on one flat leaf: ``grads[t]`` has shape ``(n, d)``.
 
     Warm-up (t < freeze): Adam moments of the averaged gradient.  Compression
-    stage: v frozen; each worker forms ``b1 m + (1 - b1) g_i``, adds its error
-    and sends the 1-bit message of each of the n chunks (the all-to-all of the
-    compressed all-reduce); the owner of chunk j averages the n messages, adds
-    its server error and sends the 1-bit message of the result; everyone's
-    momentum becomes the gathered chunks.  Without the server stage each
-    worker sends its whole vector compressed and the momentum is the mean.
+    stage: v frozen; each worker forms ``b1 m + (1 - b1) g_i`` and the momenta
+    meet in :func:`compressed_allreduce`; everyone's momentum becomes its result.
 
     Returns:
       (updates per step, final m, v, worker errors (n, d), server errors (d,)).
     """
     d = grads[0].shape[1]
-    c = d // n
     m, v = np.zeros(d), np.zeros(d)
     err, server = np.zeros((n, d)), np.zeros(d)
     updates = []
@@ -69,23 +94,7 @@ def reference(grads, n, freeze, server_stage):
             m = B1 * m + (1 - B1) * gbar
             v = B2 * v + (1 - B2) * gbar**2
         else:
-            sent = np.zeros((n, d))
-            for i in range(n):
-                p = B1 * m + (1 - B1) * g[i] + err[i]
-                if server_stage:
-                    for j in range(n):
-                        sent[i, j * c : (j + 1) * c] = one_bit(p[j * c : (j + 1) * c])
-                else:
-                    sent[i] = one_bit(p)
-                err[i] = p - sent[i]
-            avg = sent.mean(axis=0)
-            if server_stage:
-                for j in range(n):
-                    chunk = slice(j * c, (j + 1) * c)
-                    r = avg[chunk] + server[chunk]
-                    avg[chunk] = one_bit(r)
-                    server[chunk] = r - avg[chunk]
-            m = avg
+            m = compressed_allreduce(B1 * m + (1 - B1) * g, err, server, n, server_stage)
         updates.append(m / (np.sqrt(v) + EPS))
     return updates, m, v, err, server
 

@@ -5,7 +5,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_onebit_adam import B1, B2, EPS, PARAMS, N, one_bit, run_vmap, worker_grads
+from test_onebit_adam import (
+    B1,
+    B2,
+    EPS,
+    PARAMS,
+    N,
+    compressed_allreduce,
+    run_vmap,
+    worker_grads,
+)
 
 import compjax
 
@@ -13,29 +22,6 @@ FREEZE = 7  # variance steps: 1, 2 (scaler 2), then 4, 6 (interval 2), then 8 (i
 SCALER = 2
 STEPS = 11
 GRADS = [worker_grads(t) for t in range(STEPS)]
-
-
-def compressed_allreduce(x, err, server, n, server_stage):
-    """DeepSpeed's compressed all-reduce of ``x`` (n, d) with worker and server errors."""
-    d = x.shape[1]
-    c = d // n
-    sent = np.zeros((n, d))
-    for i in range(n):
-        p = x[i] + err[i]
-        if server_stage:
-            for j in range(n):
-                sent[i, j * c : (j + 1) * c] = one_bit(p[j * c : (j + 1) * c])
-        else:
-            sent[i] = one_bit(p)
-        err[i] = p - sent[i]
-    avg = sent.mean(axis=0)
-    if server_stage:
-        for j in range(n):
-            chunk = slice(j * c, (j + 1) * c)
-            r = avg[chunk] + server[chunk]
-            avg[chunk] = one_bit(r)
-            server[chunk] = r - avg[chunk]
-    return avg
 
 
 def reference(grads, n, freeze, scaler, server_stage):

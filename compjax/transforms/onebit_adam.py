@@ -34,11 +34,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, unrecorded
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.compressors.dense import identity
 from compjax.compressors.l2_sign import l2_scaled_sign
-from compjax.exchange import Exchange, as_exchange, compressed_mean
+from compjax.exchange import Exchange, as_exchange
 from compjax.transforms.base import (
     Leaves,
     ServerMemory,
@@ -47,8 +46,17 @@ from compjax.transforms.base import (
     counted,
     guarded,
     init_key,
-    saturated,
     step_keys,
+)
+from compjax.transforms.compressed_adam import (
+    check_hyperparams,
+    compensated_means,
+    dense_moments,
+    directions,
+    init_buffers,
+    momenta,
+    read_buffers,
+    write_buffers,
 )
 
 
@@ -77,40 +85,6 @@ class OnebitAdamState(NamedTuple):
     server_error: Any
     key: jax.Array
     PER_WORKER = ("error", "server_error")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-def check_hyperparams(freeze_step, b1, b2, eps) -> None:
-    """Construction-time checks of the Python numbers (arrays, e.g. from
-    ``optax.inject_hyperparams``, pass through)."""
-    if isinstance(freeze_step, bool | float) or (_is_number(freeze_step) and freeze_step < 1):
-        raise ValueError(
-            f"freeze_step must be an integer >= 1 (the variance is learnt during the "
-            f"warm-up), got {freeze_step!r}"
-        )
-    for name, beta in (("b1", b1), ("b2", b2)):
-        if _is_number(beta) and not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
-    if _is_number(eps) and not eps > 0.0:
-        raise ValueError(f"eps must be > 0, got {eps!r}")
-
-
-def error_compensated_mean(comp, key, x, error, memory, axis_name, exchange):
-    """The compressed all-reduce with worker and server error feedback, in float32.
-
-    Worker ``i`` sends ``C(x_i + e_i)`` and keeps ``e_i <- x_i + e_i - C(x_i +
-    e_i)``; the shard owners' ``memory`` is the server error.
-
-    Returns:
-      ``(mean, new error, new memory)``.
-    """
-    compensated = x + error
-    sent = compressed_mean(comp, key, compensated, axis_name, exchange, memory)
-    new_error = compensated - sent.local.astype(jnp.float32)
-    return sent.mean.astype(jnp.float32), new_error, sent.memory
 
 
 def scale_by_onebit_adam(
@@ -194,79 +168,46 @@ def scale_by_onebit_adam(
       Tang, Yu, Lian, Zhang, Liu, "DoubleSqueeze: Parallel Stochastic Gradient
       Descent with Double-Pass Error-Compensated Compression", ICML 2019.
     """
-    check_hyperparams(freeze_step, b1, b2, eps)
+    check_hyperparams(b1, b2, eps, freeze_step=freeze_step)
     check_grouping(flatten, bucket_size)
     comp = l2_scaled_sign() if comp is None else comp
     as_exchange(exchange)
     server = ServerMemory(comp, exchange)
-    dense = identity()
-    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
 
     def init_fn(params):
         leaves = Leaves(params, flatten, bucket_size)
         return OnebitAdamState(
-            count=jnp.zeros([], jnp.int32),
-            mu=leaves.shared_state(f32),
-            nu=leaves.shared_state(f32),
-            error=leaves.worker_state(f32),
-            server_error=server.init(leaves),
-            key=init_key(seed),
+            count=jnp.zeros([], jnp.int32), key=init_key(seed), **init_buffers(leaves, server)
         )
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
-        mus = leaves.read(state.mu, "mu", per_worker=False)
-        nus = leaves.read(state.nu, "nu", per_worker=False)
-        errors = leaves.read(state.error, "error", per_worker=True)
-        old_memories = server.read(leaves, state.server_error)
+        mus, nus, errors, old_memories = read_buffers(leaves, server, state)
         key, keys = step_keys(state.key, len(leaves.arrays))
 
         # The branches are new closures at every trace: lax.cond caches a traced
         # function, and a cached branch would not log its messages again.
         def warmup(grads, keys, mus, nus, errors, memories):
-            with unrecorded():  # communication() reports the compression phase
-                out, new_mus, new_nus = [], [], []
-                for k, g, m, v in zip(keys, grads, mus, nus, strict=True):
-                    mean = compressed_mean(dense, k, g, axis_name).mean.astype(jnp.float32)
-                    m = b1 * m + (1.0 - b1) * mean
-                    v = saturated(b2 * v + (1.0 - b2) * jnp.square(mean))
-                    out.append(m / (jnp.sqrt(v) + eps))
-                    new_mus.append(m)
-                    new_nus.append(v)
-            return out, new_mus, new_nus, errors, memories
+            return (*dense_moments(keys, grads, mus, nus, axis_name, b1, b2), errors, memories)
 
         def compressed(grads, keys, mus, nus, errors, memories):
-            out, new_mus, new_errors, new_memories = [], [], [], []
-            for k, g, m, v, e, s in zip(keys, grads, mus, nus, errors, memories, strict=True):
-                local = b1 * m + (1.0 - b1) * g.astype(jnp.float32)
-                m, e, s = error_compensated_mean(comp, k, local, e, s, axis_name, exchange)
-                out.append(m / (jnp.sqrt(v) + eps))
-                new_mus.append(m)
-                new_errors.append(e)
-                new_memories.append(s)
-            return out, new_mus, nus, new_errors, new_memories
+            local = momenta(mus, grads, b1)
+            mus, errors, memories = compensated_means(
+                comp, keys, local, errors, memories, axis_name, exchange
+            )
+            return mus, nus, errors, memories
 
-        out, mus, nus, errors, memories = jax.lax.cond(
-            state.count < freeze_step,
-            warmup,
-            compressed,
-            leaves.arrays,
-            keys,
-            mus,
-            nus,
-            errors,
-            old_memories,
+        operands = (leaves.arrays, keys, mus, nus, errors, old_memories)
+        mus, nus, errors, memories = jax.lax.cond(
+            state.count < freeze_step, warmup, compressed, *operands
         )
         new_state = OnebitAdamState(
             count=state.count + 1,
-            mu=leaves.write(mus, per_worker=False),
-            nu=leaves.write(nus, per_worker=False),
-            error=leaves.write(errors, per_worker=True),
-            server_error=server.write(leaves, memories, old_memories),
             key=key,
+            **write_buffers(leaves, server, mus, nus, errors, memories, old_memories),
         )
-        out = [o.astype(g.dtype) for o, g in zip(out, leaves.arrays, strict=True)]
+        out = directions(mus, nus, leaves.arrays, eps)
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state
 

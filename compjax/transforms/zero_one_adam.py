@@ -45,9 +45,8 @@ import optax
 
 from compjax.collectives import AxisName, unrecorded
 from compjax.compressor import Compressor
-from compjax.compressors.dense import identity
 from compjax.compressors.l2_sign import l2_scaled_sign
-from compjax.exchange import Exchange, as_exchange, compressed_mean
+from compjax.exchange import Exchange, as_exchange
 from compjax.transforms.base import (
     Leaves,
     ServerMemory,
@@ -56,10 +55,18 @@ from compjax.transforms.base import (
     counted,
     guarded,
     init_key,
-    saturated,
     step_keys,
 )
-from compjax.transforms.onebit_adam import check_hyperparams, error_compensated_mean
+from compjax.transforms.compressed_adam import (
+    check_hyperparams,
+    compensated_means,
+    dense_moments,
+    directions,
+    init_buffers,
+    momenta,
+    read_buffers,
+    write_buffers,
+)
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -148,19 +155,13 @@ def scale_by_zero_one_adam(
       Lu et al., "Maximizing Communication Efficiency for Large-scale
       Training via 0/1 Adam", ICLR 2023, Algorithm 1 (with ``T_u`` every step).
     """
-    check_hyperparams(1, b1, b2, eps)
-    for name, value in (
-        ("var_freeze_step", var_freeze_step),
-        ("var_update_scaler", var_update_scaler),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_hyperparams(
+        b1, b2, eps, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler
+    )
     check_grouping(flatten, bucket_size)
     comp = l2_scaled_sign() if comp is None else comp
     as_exchange(exchange)
     server = ServerMemory(comp, exchange)
-    dense = identity()
-    f32 = lambda a: jnp.zeros(a.shape, jnp.float32)  # noqa: E731
 
     def init_fn(params):
         leaves = Leaves(params, flatten, bucket_size)
@@ -168,20 +169,14 @@ def scale_by_zero_one_adam(
             count=jnp.zeros([], jnp.int32),
             var_interval=jnp.ones([], jnp.int32),
             var_counter=jnp.zeros([], jnp.int32),
-            mu=leaves.shared_state(f32),
-            nu=leaves.shared_state(f32),
-            error=leaves.worker_state(f32),
-            server_error=server.init(leaves),
             key=init_key(seed),
+            **init_buffers(leaves, server),
         )
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten, bucket_size)
         bad = any_non_finite(leaves.arrays, axis_name)
-        mus = leaves.read(state.mu, "mu", per_worker=False)
-        nus = leaves.read(state.nu, "nu", per_worker=False)
-        errors = leaves.read(state.error, "error", per_worker=True)
-        old_memories = server.read(leaves, state.server_error)
+        mus, nus, errors, old_memories = read_buffers(leaves, server, state)
         key, keys = step_keys(state.key, len(leaves.arrays))
         step = state.count + 1
         adaptive = state.count <= var_freeze_step
@@ -193,56 +188,36 @@ def scale_by_zero_one_adam(
 
         # New closures at every trace: lax.switch caches traced branches (see 1-bit Adam).
         def dense_step(grads, keys, mus, nus, errors, memories):
-            with unrecorded():
-                new_mus, new_nus = [], []
-                for k, g, m, v in zip(keys, grads, mus, nus, strict=True):
-                    mean = compressed_mean(dense, k, g, axis_name).mean.astype(jnp.float32)
-                    new_mus.append(b1 * m + (1.0 - b1) * mean)
-                    new_nus.append(saturated(b2 * v + (1.0 - b2) * jnp.square(mean)))
-            return new_mus, new_nus, errors, memories
+            return (*dense_moments(keys, grads, mus, nus, axis_name, b1, b2), errors, memories)
 
         def gradient_step(grads, keys, mus, nus, errors, memories):
             with unrecorded():  # the same messages as a momentum step, reported once
-                new_mus, new_errors, new_memories = [], [], []
-                for k, g, m, e, s in zip(keys, grads, mus, errors, memories, strict=True):
-                    g = g.astype(jnp.float32)
-                    g_hat, e, s = error_compensated_mean(comp, k, g, e, s, axis_name, exchange)
-                    new_mus.append(b1 * m + (1.0 - b1) * g_hat)
-                    new_errors.append(e)
-                    new_memories.append(s)
-            return new_mus, nus, new_errors, new_memories
+                g_hats, errors, memories = compensated_means(
+                    comp, keys, grads, errors, memories, axis_name, exchange
+                )
+            return momenta(mus, g_hats, b1), nus, errors, memories
 
         def momentum_step(grads, keys, mus, nus, errors, memories):
-            new_mus, new_errors, new_memories = [], [], []
-            for k, g, m, e, s in zip(keys, grads, mus, errors, memories, strict=True):
-                local = b1 * m + (1.0 - b1) * g.astype(jnp.float32)
-                m, e, s = error_compensated_mean(comp, k, local, e, s, axis_name, exchange)
-                new_mus.append(m)
-                new_errors.append(e)
-                new_memories.append(s)
-            return new_mus, nus, new_errors, new_memories
+            mus, errors, memories = compensated_means(
+                comp, keys, momenta(mus, grads, b1), errors, memories, axis_name, exchange
+            )
+            return mus, nus, errors, memories
 
         branch = jnp.where(variance_step, 0, jnp.where(adaptive, 1, 2))
         operands = (leaves.arrays, keys, mus, nus, errors, memories)
         mus, nus, errors, memories = jax.lax.switch(
             branch, (dense_step, gradient_step, momentum_step), *operands
         )
-        out = [
-            (m / (jnp.sqrt(v) + eps)).astype(g.dtype)
-            for m, v, g in zip(mus, nus, leaves.arrays, strict=True)
-        ]
         counter = state.var_counter + variance_step.astype(jnp.int32)
         doubled = counter == var_update_scaler
         new_state = ZeroOneAdamState(
             count=step,
             var_interval=jnp.where(doubled, 2 * state.var_interval, state.var_interval),
             var_counter=jnp.where(doubled, 0, counter),
-            mu=leaves.write(mus, per_worker=False),
-            nu=leaves.write(nus, per_worker=False),
-            error=leaves.write(errors, per_worker=True),
-            server_error=server.write(leaves, memories, old_memories),
             key=key,
+            **write_buffers(leaves, server, mus, nus, errors, memories, old_memories),
         )
+        out = directions(mus, nus, leaves.arrays, eps)
         out, new_state = guarded(bad, out, new_state, state)
         return leaves.rebuild(out), new_state
 
