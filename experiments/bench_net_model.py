@@ -201,6 +201,9 @@ METHODS: tuple[BenchMethod, ...] = (
         bits_per_entry=16,
     ),
     BenchMethod("terngrad", "TernGrad, int8 psum", f"terngrad_allreduce({B})", "allreduce"),
+    BenchMethod(
+        "int4", "int_quant 4-bit, integer psum", f"compress(int_quant(4), {B})", "allreduce"
+    ),
     BenchMethod("qsgd-ag", "QSGD 4-bit, all-gather", f"compress(qsgd(levels=7), {B})", "allgather"),
     BenchMethod(
         "qsgd-sg",

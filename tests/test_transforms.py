@@ -53,6 +53,9 @@ TRANSFORMS = {
     "diana(qsgd, scatter_gather)": lambda ax: compjax.diana(
         compjax.qsgd(2), ax, exchange="scatter_gather"
     ),
+    # The integer all-reduce: a pmax-ed scale, then a psum of packed integer fields.
+    "compress(int_quant)": lambda ax: compjax.compress(compjax.int_quant(4), ax),
+    "zero_one_adam": lambda ax: compjax.scale_by_zero_one_adam(ax, 1, 1),
 }
 
 
