@@ -40,6 +40,7 @@ COMPRESSORS: dict[str, Callable] = {
         "sign",
         "scaled_sign",
         "natural",
+        "int_quant",
         "rand_k",
         "top_k",
         "atomo",
