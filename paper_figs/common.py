@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 from collections.abc import Sequence
 
+import numpy as np
+from scipy import stats
 from tqdm.auto import tqdm
 
 from experiments import train
@@ -20,6 +23,27 @@ RESULTS = pathlib.Path(
 def full() -> bool:
     """Whether the longer runs were asked for (``make figures FULL=1``, i.e. ``FULL=1``)."""
     return os.environ.get("FULL", "").strip().lower() in ("1", "true", "yes")
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """``(mean, half-width)`` of the two-sided 95% Student-t interval of the mean.
+
+    One value has no interval: the half-width is ``inf``.
+    """
+    x = np.asarray(values, np.float64)
+    if x.size < 2:
+        return float(x.mean()), math.inf
+    half = stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    return float(x.mean()), float(half)
+
+
+def ci_verdict(mean: float, half: float) -> str:
+    """``"higher"`` when the interval lies above 0, ``"lower"`` below, else ``"no difference"``."""
+    if mean - half > 0:
+        return "higher"
+    if mean + half < 0:
+        return "lower"
+    return "no difference"
 
 
 def runs(configs: Sequence[train.Config], desc: str) -> list[train.Run]:

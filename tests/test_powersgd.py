@@ -39,7 +39,7 @@ def gram_schmidt(m):
     return m
 
 
-def reference(q0, steps, rank, start_iter=0, n=N):
+def reference(q0, steps, rank, start_iter=0, n=N, error_feedback=True):
     """PowerSGD written plainly (numpy, float64) for the compressible leaves."""
     shapes = {"w": (16, 12), "k": (18, 8)}  # a flax conv kernel: (kh kw cin) x cout
     q = {k: np.asarray(q0[k], np.float64) for k in shapes}
@@ -57,18 +57,20 @@ def reference(q0, steps, rank, start_iter=0, n=N):
             p = gram_schmidt(sum(m[i] @ q[k] for i in range(n)))
             q[k] = sum(m[i].T @ p for i in range(n)) / n
             approx = p @ q[k].T
-            err[k] = m - approx
+            err[k] = m - approx if error_feedback else 0.0 * m
             out[k] = approx.reshape(PARAMS[k].shape)
         outs.append(out)
     return outs, err
 
 
-@pytest.mark.parametrize("start_iter", [0, 2])
-def test_matches_reference(start_iter):
-    tx = compjax.powersgd(2, "data", start_iter=start_iter)
+@pytest.mark.parametrize(
+    "start_iter,error_feedback", [(0, True), (2, True), (0, False)], ids=["ef", "start2", "no_ef"]
+)
+def test_matches_reference(start_iter, error_feedback):
+    tx = compjax.powersgd(2, "data", start_iter=start_iter, error_feedback=error_feedback)
     outs, state = run(tx, 4)
     q0 = dict(zip(sorted(PARAMS), tx.init(PARAMS).q, strict=True))
-    expect, err = reference(q0, 4, 2, start_iter)
+    expect, err = reference(q0, 4, 2, start_iter, error_feedback=error_feedback)
     for got, want in zip(outs, expect, strict=True):
         assert_trees_close(got, want, rtol=1e-4, atol=1e-5)
     errors = state.error

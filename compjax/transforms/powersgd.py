@@ -99,6 +99,7 @@ def powersgd(
     seed: int = 0,
     channels_last: bool = True,
     state_dtype: Any = None,
+    error_feedback: bool = True,
 ) -> optax.GradientTransformation:
     """PowerSGD with error feedback and warm start; the update is the rank-``r`` mean.
 
@@ -135,6 +136,10 @@ def powersgd(
         parameters' dtype where wider) even for bfloat16/float16 gradients.
         ``P`` and ``Q`` are float32 either way; updates keep the gradient's
         dtype.
+      error_feedback: keep the memory ``e_i`` (the paper's algorithm);
+        ``False`` compresses ``M_i = g_i`` and drops the residual (the
+        paper's ablation, and the like-for-like comparison with low-rank
+        methods that keep no memory, such as rank-dAD).
 
     Raises:
       ValueError: ``rank < 1``, ``start_iter < 0``, ``min_compression_rate < 1``,
@@ -191,7 +196,8 @@ def powersgd(
         q_new = psum(q_new, axis_name) / n
         # The update as delivered (in g's dtype): what it rounds away stays in the memory.
         approx = (p @ q_new.T).astype(g.dtype)
-        return approx.reshape(g.shape), (m - approx).reshape(e.shape), q_new
+        residual = (m - approx) if error_feedback else jnp.zeros_like(m)
+        return approx.reshape(g.shape), residual.reshape(e.shape), q_new
 
     def compressed_step(arrays, errors, qs, n):
         out, new_errors, new_qs = [], [], []
