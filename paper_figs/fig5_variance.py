@@ -6,7 +6,12 @@ against Strom, "Scalable distributed DNN training using commodity GPU cloud
 computing", Interspeech 2015.  Sending a coordinate only once its
 accumulated gradient is unambiguous (``r^2 > alpha v``, ``v`` the accumulated
 variance estimate) reaches a higher compression ratio than Strom's fixed
-threshold ``tau`` at the same accuracy.
+threshold ``tau`` at the same accuracy.  The paper's body was not available
+(see :mod:`compjax.transforms.variance_based` for which rules are checked);
+``v`` here estimates the variance of the accumulated minibatch mean
+(``v += mean_b g_b^2 / B``), so ``alpha`` is ``B = 16`` times the ``alpha``
+of the rule in ``REFERENCES.md`` and of a public implementation
+(``v += mean_b g_b^2``): their ``alpha = 2`` is ``alpha = 32`` here.
 
 What runs: the 64-64-10 MLP on scikit-learn's digits (``digits_mlp``, 8
 workers, 16 examples each, plain SGD) with ``dense()``, a sweep of

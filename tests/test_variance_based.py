@@ -110,8 +110,13 @@ def vb_message(r, v, alpha, k):
     return sent
 
 
-def vb_reference(grads_steps, alpha, zeta, budget):
-    """Updates per step, final ``r``, ``v`` (per worker) and real bits, worker by worker."""
+def vb_reference(grads_steps, alpha, zeta, budget, sheet=False):
+    """Updates per step, final ``r``, ``v`` (per worker) and real bits, worker by worker.
+
+    ``sheet``: REFERENCES.md's rule instead, as the public PyTorch
+    implementation writes it: ``v += mean_b g_b^2`` (no ``1/B``) and
+    ``r <- 0`` where sent (the quantisation error dropped).
+    """
     n = next(iter(grads_steps[0].values())).shape[0]
     r = {k: np.zeros((n, math.prod(PARAMS[k].shape)), F32) for k in PARAMS}
     v = {k: np.zeros_like(a) for k, a in r.items()}
@@ -124,9 +129,9 @@ def vb_reference(grads_steps, alpha, zeta, budget):
             total = np.zeros(g.shape[2], F32)
             for i in range(n):
                 r_acc = r[name][i] + g[i].mean(0)
-                v_acc = v[name][i] + (g[i] * g[i]).mean(0) / F32(g.shape[1])
+                v_acc = v[name][i] + (g[i] * g[i]).mean(0) / F32(1 if sheet else g.shape[1])
                 sent = vb_message(r_acc, v_acc, alpha, slots(budget, g.shape[2]))
-                r[name][i] = r_acc - sent
+                r[name][i] = np.where(sent != 0, F32(0), r_acc) if sheet else r_acc - sent
                 v[name][i] = np.where(sent != 0, F32(0), F32(zeta) * v_acc)
                 m = int(np.count_nonzero(sent))
                 bits += 36 * m + 32 * (m > 0)
@@ -223,6 +228,51 @@ def test_never_sends_an_ambiguous_coordinate_and_loses_nothing(scale):
     residual = {k: a.mean(0) for k, a in squeeze(states[-1].r).items()}
     total = {k: sum(np.asarray(g[k]).mean((0, 1)) for g in grads) for k in PARAMS}
     assert_trees_close(jax.tree.map(np.add, total_sent, residual), total, rtol=1e-6, atol=1e-5)
+
+
+def test_alpha_is_the_reference_sheet_alpha_times_the_batch_size():
+    """``keep_error=False, alpha=a B`` makes the reference sheet's decisions with ``alpha=a``.
+
+    The reference sheet (and the public implementation) accumulate
+    ``mean_b g_b^2``; this library ``mean_b g_b^2 / B``.  With ``B`` and
+    ``a`` powers of two the scaling is exact, so every update, ``r`` and
+    ``B v`` must agree to the last bit.  Fails if ``v`` drops its ``1/B``
+    (then ``a B`` is ``B`` times too strict) or if ``keep_error=False``
+    keeps the quantisation error.
+    """
+    grads = [example_grads(t) for t in range(STEPS)]
+    want_updates, want_r, want_v, _ = vb_reference(grads, ALPHA, ZETA, 1.0, sheet=True)
+    tx = variance_based("data", ALPHA * B, ZETA, budget=1.0, keep_error=False)
+    outs, states = run_steps(tx, grads)
+    for got, want in zip(outs, want_updates, strict=True):
+        assert_trees_close(got, want, rtol=0, atol=0)
+    final = states[-1]
+    assert_trees_close(squeeze(final.r), want_r, rtol=0, atol=0)
+    assert_trees_close(jax.tree.map(lambda v: v * F32(B), squeeze(final.v)), want_v, rtol=0, atol=0)
+    # Both outcomes occur: some coordinates were reset, some kept accumulating.
+    flat_r = np.concatenate([want_r[k].ravel() for k in PARAMS])
+    assert 0 < np.count_nonzero(flat_r == 0) < flat_r.size
+
+
+@pytest.mark.parametrize("batch", [16, 64])
+def test_pure_noise_is_sent_at_the_chi2_rate_whatever_the_batch_size(batch):
+    """``v`` estimates the variance of ``r``: noise passes ``r^2 > alpha v`` at a B-free rate.
+
+    One step of i.i.d. N(0, 1) per-example gradients: ``r^2 / v =
+    B Z^2 / (Z^2 + chi^2_{B-1})``, i.e. ``B Beta(1/2, (B-1)/2)``, about
+    ``chi^2_1`` (0.164 and 0.159 of the coordinates pass at ``alpha = 2``,
+    ``B = 16, 64``).  A ``v`` without the ``1/B`` would pass none
+    (``r^2 <= B v`` by Cauchy-Schwarz).
+    """
+    from scipy import stats
+
+    d, alpha = 4096, 2.0
+    tx = variance_based(None, alpha, ZETA, budget=1.0)
+    g = np.random.default_rng(batch).normal(size=(batch, d)).astype(F32)
+    _, state = jax.jit(tx.update)({"w": g}, tx.init({"w": np.zeros(d, F32)}))
+    rate = np.mean(np.asarray(state.v["w"]) == 0)  # v is reset exactly where sent
+    want = stats.beta.sf(alpha / batch, 0.5, (batch - 1) / 2)
+    assert abs(rate - want) < 4 * math.sqrt(want * (1 - want) / d)
 
 
 def test_criterion_is_invariant_to_rescaling_the_gradients():

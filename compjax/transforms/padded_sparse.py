@@ -3,7 +3,8 @@
 Both delay what they cannot send: each worker accumulates its gradients
 locally and sends only the coordinates that pass a test, as a sparse,
 quantised message; what is not sent stays in the accumulator, so nothing is
-ever lost (``sent + residual = accumulated``, exactly up to float rounding).
+ever lost (``sent + residual = accumulated``, exactly up to float rounding),
+unless ``variance_based(keep_error=False)`` drops its quantisation errors.
 
 Wire format.  A sparse message has a variable length, but ``all_gather``
 needs a static shape: every message is padded to a fixed number of *slots*

@@ -6,7 +6,47 @@ baseline, is :mod:`compjax.transforms.strom`).
 
 References:
   Tsuzuku, Imachi, Akiba, "Variance-based Gradient Compression for Efficient
-  Distributed Deep Learning", ICLR Workshop 2018 (arXiv:1802.06058).
+  Distributed Deep Learning", ICLR Workshop 2018 (arXiv:1802.06058).  The
+  body of the paper (its algorithm box and equations) could not be found in
+  any public copy reachable here: only its abstract and introduction.  No
+  equation or algorithm numbers are cited for that reason; every rule below
+  says where it comes from.
+
+What the paper specifies, as far as it could be checked:
+  - [abstract] Delay a coordinate's update "until an unambiguous (high
+    amplitude, low variance) gradient has been calculated"; the variance is
+    computed from the per-example gradients "with negligible additional cost".
+  - [reference sheet] (``REFERENCES.md`` of this project, a summary of the
+    paper) per coordinate ``r += mean_b g_b``, ``v += mean_b g_b^2``; send
+    where ``r^2 > alpha v`` and reset ``r`` and ``v``; elsewhere
+    ``v <- zeta v``; sent values quantised to about 4 bits (marked
+    unverified there); ``alpha = 2``, ``zeta = 0.999`` in a public
+    implementation.
+  - [public implementation] A public PyTorch re-implementation (a
+    ``VarianceReducer`` on opacus per-sample gradients, in a fork of the
+    PowerSGD/Accordion training code) does exactly the reference sheet's
+    rule: ``r += g.mean(0)``, ``v += (g**2).mean(0)``, mask ``r**2 > alpha
+    v``, sends ``r`` at full precision (float32 values, int32 positions),
+    then ``r, v <- 0`` where sent and ``v <- zeta v`` elsewhere
+    (``zeta = 0.999``; ``alpha`` 1.5, 2 or 0.1 in its configurations).
+
+Assumptions and additions of this implementation (not from the paper):
+  - ``v += mean_b g_b^2 / B`` (``= (1/B^2) sum_b g_b^2``), the uncentred
+    estimate of the variance of the minibatch mean that ``r`` accumulates,
+    instead of the reference sheet's ``mean_b g_b^2``.  For a fixed batch
+    size the two differ only in the scale of ``alpha``: ``alpha`` here is
+    ``B`` times the reference sheet's (``alpha = 32`` at ``B = 16`` is its
+    ``alpha = 2``); the tests check that the decisions then agree exactly.
+  - ``keep_error=True`` (default) keeps the quantisation error ``r - Q(r)``
+    in ``r``; ``keep_error=False`` resets ``r`` to 0, the reference sheet's
+    rule.  (The public implementation sends exact values, so its reset
+    loses nothing.)
+  - The 4-bit code (sign and 3-bit exponent below a per-message float32
+    scale), the rounding, the budget of ``K`` slots and its ranking by
+    ``r^2 / v``.
+  - Not implemented: any combination with Strom's threshold inside one
+    message (third-party summaries say the paper combines the two; its rule
+    was not available).
 """
 
 from __future__ import annotations
@@ -187,6 +227,7 @@ def variance_based(
     *,
     budget: int | float = 0.01,
     flatten: bool = False,
+    keep_error: bool = True,
     state_dtype: Any = None,
 ) -> optax.GradientTransformation:
     """Variance-based gradient compression: send a coordinate once it is unambiguous.
@@ -195,26 +236,29 @@ def variance_based(
     axis, ``(B, *param.shape)`` (build them with :func:`per_example_grads`);
     the update has the parameters' shapes.  Each worker ``i`` keeps, per
     coordinate, an accumulated gradient ``r`` and an accumulated variance
-    estimate ``v`` (the algorithm of Tsuzuku et al.) and at each step, with
-    ``g_1..g_B`` its per-example gradients::
+    estimate ``v`` (the rule of Tsuzuku et al. as summarised in the module
+    docstring, which says what is the paper's and what is this library's)
+    and at each step, with ``g_1..g_B`` its per-example gradients::
 
         r <- r + (1/B) sum_b g_b             # the minibatch gradient
         v <- v + (1/B^2) sum_b g_b^2         # estimate of that gradient's variance
         send where r^2 > alpha * v           # "unambiguous"
-        sent:      r <- r - Q(r),  v <- 0    # Q(r): the value sent
+        sent:      r <- r - Q(r),  v <- 0    # Q(r): the value sent; r <- 0 if not keep_error
         not sent:  v <- zeta * v
 
     ``(1/B^2) sum_b g_b^2 = (1/B) mean_b g_b^2`` estimates the variance of the
     mean of ``B`` per-example gradients, ``sigma^2/B`` (uncentred: squares,
     not squared deviations), so ``r`` and ``v`` measure the same accumulated
-    quantity: the test
-    compares its squared value with its variance, independently of the batch
-    size, and is invariant to rescaling the loss (``g -> c g`` multiplies both
-    sides by ``c^2``).  ``v`` of a coordinate just sent restarts from 0, and
-    the decay ``zeta`` lets old variance fade.  The quantisation error
-    ``r - Q(r)`` stays in ``r`` (the paper's algorithm resets ``r`` to 0):
-    nothing is lost, ``sum of updates + mean_i r_i = sum of mean gradients``.
-    Such a residual starts with ``v = 0`` and is judged against the variance
+    quantity: for zero-mean noise ``r^2 / v`` is about ``chi^2_1``-distributed
+    whatever the batch size (a coordinate is sent with probability about
+    ``P(chi^2_1 > alpha)``, 0.16 at ``alpha = 2``), and the test is invariant
+    to rescaling the loss (``g -> c g`` multiplies both sides by ``c^2``).
+    With the reference sheet's ``v <- v + mean_b g_b^2`` the same decisions
+    need ``alpha`` divided by ``B``.  ``v`` of a coordinate just sent
+    restarts from 0, and the decay ``zeta`` lets old variance fade.  With
+    ``keep_error`` the quantisation error ``r - Q(r)`` stays in ``r``:
+    nothing is lost, ``sum of updates + mean_i r_i = sum of mean gradients``;
+    such a residual starts with ``v = 0`` and is judged against the variance
     of the gradients that follow.
 
     Wire format (per leaf, or per tree with ``flatten``; ``K`` slots, see
@@ -247,9 +291,14 @@ def variance_based(
 
     Args:
       axis_name: the data-parallel axis (``None``: a single worker).
-      alpha: threshold ``alpha > 0`` of the test ``r^2 > alpha v`` (a public
-        implementation uses 2).
+      alpha: threshold ``alpha > 0`` of the test ``r^2 > alpha v``, with
+        ``v`` the variance of the accumulated minibatch mean (``B`` times the
+        ``alpha`` of a rule that accumulates ``mean_b g_b^2``: the public
+        implementation's 2 is ``2 B`` here).
       zeta: decay ``0 < zeta <= 1`` of ``v`` where nothing is sent (0.999).
+      keep_error: keep the quantisation error ``r - Q(r)`` of a sent
+        coordinate in ``r`` (the default, lossless); ``False`` resets ``r`` to
+        0 there, the reference sheet's rule (the error is dropped).
       budget: slots per message: an integer ``>= 1`` (capped at ``d``), or a
         fraction in ``(0, 1]`` of the entries (``max(1, round(budget d))``).
       flatten: one message for the whole tree instead of one per leaf.
@@ -264,7 +313,8 @@ def variance_based(
     References:
       Tsuzuku, Imachi, Akiba, "Variance-based Gradient Compression for
       Efficient Distributed Deep Learning", ICLR Workshop 2018
-      (arXiv:1802.06058).
+      (arXiv:1802.06058); the module docstring says which rules are the
+      paper's (no equation numbers: its body was not available).
     """
     check_real("alpha", alpha, lambda x: x > 0, "a finite number > 0")
     check_real("zeta", zeta, lambda x: 0 < x <= 1, "in (0, 1]")
@@ -308,7 +358,11 @@ def variance_based(
             )
             out.append(scatter_mean(indices, values, d, n).reshape(shape))
             sent = jnp.zeros((d,), bool).at[idx].set(send)
-            new_r.append(r_acc.at[idx].add(-q).reshape(shape))
+            if keep_error:
+                r_out = r_acc.at[idx].add(-q)
+            else:
+                r_out = r_acc.at[idx].set(jnp.where(send, 0.0, r_acc[idx]))
+            new_r.append(r_out.reshape(shape))
             new_v.append(jnp.where(sent, 0.0, zeta * v_acc).reshape(shape))
             n_sent = jnp.sum(send)
             counter = add_bits(counter, n_sent, VARIANCE_BASED_ENTRY_BITS)
