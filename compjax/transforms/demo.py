@@ -102,15 +102,17 @@ def _clip(x: jax.Array, dtype) -> jax.Array:
 
 
 def _exponent(blocks: jax.Array, axes: tuple[int, ...]) -> jax.Array:
-    """Per chunk, ``e`` with ``max |blocks| < 2**e`` (0 for an all-zero chunk)."""
-    return jnp.frexp(jnp.max(jnp.abs(blocks), axis=axes, keepdims=True))[1]
+    """Per chunk, the least ``e >= 0`` with ``max |blocks| < 2**e``: a scale that only ever
+    shrinks (chunks below 1 are left as they are, subnormals included)."""
+    return jnp.maximum(jnp.frexp(jnp.max(jnp.abs(blocks), axis=axes, keepdims=True))[1], 0)
 
 
 def _scaled(transform, blocks: jax.Array) -> jax.Array:
     """``transform`` (linear, per chunk) of ``blocks``, saturated instead of overflowing.
 
-    Each chunk is scaled by a power of two to below 1 (exact), transformed and
-    scaled back; a coefficient beyond the dtype's range saturates there.
+    Each chunk beyond 1 is scaled by a power of two to below 1 (exact),
+    transformed and scaled back; a coefficient beyond the dtype's range
+    saturates there.
     """
     e = _exponent(blocks, (-2, -1))
     return _clip(jnp.ldexp(transform(jnp.ldexp(blocks, -e)), e), blocks.dtype)
