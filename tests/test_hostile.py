@@ -176,6 +176,9 @@ TRANSFORMS = {
     # freeze_step=1: the one step taken is already the compressed phase.
     "scale_by_onebit_adam": lambda: compjax.scale_by_onebit_adam("data", freeze_step=1),
     "onebit_adam": lambda: compjax.onebit_adam(0.1, "data", freeze_step=1),
+    # The 3 x 5 kernel is one 3 x 5 chunk, 4 of its 15 coefficients sent; the default sends all.
+    "scale_by_demo": lambda: compjax.scale_by_demo("data", chunk=5, topk=4),
+    "demo": lambda: compjax.demo(0.1, "data"),  # (update is called without params here)
 }
 GRAD_SHAPES = {"w": (3, 5), "b": (1,)}
 

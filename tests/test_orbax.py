@@ -37,6 +37,8 @@ BUILDERS = {
     "strom_threshold": lambda: compjax.strom_threshold("data", 0.05, budget=0.5),
     # Compressed from the third step on: the checkpoint holds both error memories.
     "onebit_adam": lambda: compjax.scale_by_onebit_adam("data", freeze_step=2),
+    # Two 3 x 3 chunks of the 6 x 3 kernel, 2 of their 9 coefficients sent: delta keeps the rest.
+    "demo": lambda: compjax.scale_by_demo("data", chunk=3, topk=2),
 }
 #: Transformations whose input is per-example gradients.
 PER_EXAMPLE = {"variance_based"}
