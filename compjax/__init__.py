@@ -5,7 +5,7 @@ Compressors are immutable values built by the factories below; each has
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 """
 
-from compjax import collectives, exchange, hadamard, nnx
+from compjax import collectives, dct, exchange, hadamard, nnx
 from compjax.accounting import CommunicationReport, communication
 from compjax.collectives import worker_params
 from compjax.compressor import Compressor
@@ -27,6 +27,7 @@ from compjax.payload import Payload, wire_bits
 from compjax.step import DataParallel, data_parallel
 from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
+from compjax.transforms.demo import DeMoState, demo, scale_by_demo
 from compjax.transforms.dgc import DGCState, dgc
 from compjax.transforms.diana import DianaState, diana
 from compjax.transforms.ef21 import EF21State, ef21
@@ -52,6 +53,7 @@ __all__ = [
     "Compressor",
     "DGCState",
     "DataParallel",
+    "DeMoState",
     "DianaState",
     "EF21State",
     "ErrorFeedbackState",
@@ -76,6 +78,8 @@ __all__ = [
     "dad_communication",
     "dad_grads",
     "data_parallel",
+    "dct",
+    "demo",
     "dgc",
     "diana",
     "drive",
@@ -102,6 +106,7 @@ __all__ = [
     "rand_k",
     "rank_dad_grads",
     "real_bits_sent",
+    "scale_by_demo",
     "scale_by_onebit_adam",
     "scale_by_zero_one_adam",
     "scaled",

@@ -9,6 +9,7 @@ hyperparameters and nested compressors::
     ef(scaled_sign())                      # error feedback (alias of error_feedback)
     dgc(ratio=0.001, clip_norm=1.0, warmup_steps_per_phase=20)
     powersgd(rank=2)                       # the axis name is supplied by the harness
+    demo(topk=8)                           # DeMo's direction (the SGD step follows)
     rank_dad(rank=2)                       # gradients from gathered activations and deltas
     chain(top_k(ratio=0.01), qsgd(levels=16))
 
@@ -70,6 +71,8 @@ WITH_AXIS: dict[str, Callable] = {
     "powersgd": lambda axis_name, rank=1, **kw: compjax.powersgd(rank, axis_name, **kw),
     "variance_based": compjax.variance_based,
     "strom_threshold": compjax.strom_threshold,
+    # DeMo's sign direction; the SGD that follows is its step (weight decay 0).
+    "demo": compjax.scale_by_demo,
 }
 
 # Methods that replace the gradient computation itself.

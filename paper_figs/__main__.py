@@ -25,6 +25,7 @@ FIGURES = (
     "fig7_signsgd",
     "fig8_frontier",
     "fig9_speedup",
+    "fig12_demo",
 )
 
 

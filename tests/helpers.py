@@ -102,3 +102,16 @@ def assert_mean_error(draws: np.ndarray, x: np.ndarray, expected: float, z: floa
         f"mean error {err.mean():.6g} vs exact {expected:.6g} (tolerance {tol:.3g})"
     )
     return err.mean(), se
+
+
+def run_vmap(tx, grads, n, params):
+    """Updates and states (the initial one first) of ``tx`` on ``n`` workers simulated by vmap
+    over the axis ``"data"``, and the jitted step; ``grads[t]`` has a leading worker axis."""
+    state = jax.vmap(lambda _: tx.init(params))(jax.numpy.arange(n))
+    step = jax.jit(jax.vmap(tx.update, axis_name="data"))
+    outs, states = [], [state]
+    for g in grads:
+        upd, state = step(g, state)
+        outs.append(upd)
+        states.append(state)
+    return outs, states, step

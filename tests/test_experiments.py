@@ -31,6 +31,7 @@ from experiments import data, methods, tasks, train
         ("variance_based(alpha=1.5)", "variance_based", "per_example"),
         ("rank_dad(rank=2)", "rank_dad", "rank_dad"),
         ("signum()", "signum", "local"),
+        ("demo(topk=8)", "demo", "local"),
     ],
 )
 def test_parse_builds_each_kind_of_method(spec, name, gradients):

@@ -178,6 +178,9 @@ TRANSFORMS = {
     "onebit_adam": lambda: compjax.onebit_adam(0.1, "data", freeze_step=1),
     "scale_by_zero_one_adam": lambda: compjax.scale_by_zero_one_adam("data", 2, 1),
     "zero_one_adam": lambda: compjax.zero_one_adam(0.1, "data", 2, 1),
+    # The 3 x 5 kernel is one 3 x 5 chunk, 4 of its 15 coefficients sent; the default sends all.
+    "scale_by_demo": lambda: compjax.scale_by_demo("data", chunk=5, topk=4),
+    "demo": lambda: compjax.demo(0.1, "data"),  # (update is called without params here)
 }
 GRAD_SHAPES = {"w": (3, 5), "b": (1,)}
 

@@ -1,6 +1,7 @@
 """1-bit Adam against a numpy transcription of the paper's Algorithm 1 and its compressed
 all-reduce; error feedback's identities; shard_map, checkpoints, bf16, accounting, convergence."""
 
+import helpers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,15 +113,7 @@ def reference_tree(grads, n, freeze, server_stage):
 
 
 def run_vmap(tx, grads, n=N, params=PARAMS):
-    """Updates and states (the initial one first) of ``tx`` on workers simulated by vmap."""
-    state = jax.vmap(lambda _: tx.init(params))(jnp.arange(n))
-    step = jax.jit(jax.vmap(tx.update, axis_name="data"))
-    outs, states = [], [state]
-    for g in grads:
-        upd, state = step(g, state)
-        outs.append(upd)
-        states.append(state)
-    return outs, states, step
+    return helpers.run_vmap(tx, grads, n, params)
 
 
 EXCHANGES = {"scatter_gather": True, "all_gather": False}

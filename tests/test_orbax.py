@@ -39,6 +39,8 @@ BUILDERS = {
     "onebit_adam": lambda: compjax.scale_by_onebit_adam("data", freeze_step=2),
     # Variance steps 1, 2, 4; 1-bit gradients at 3 and 5; frozen momentum from step 6.
     "zero_one_adam": lambda: compjax.scale_by_zero_one_adam("data", 4, 2),
+    # Two 3 x 3 chunks of the 6 x 3 kernel, 2 of their 9 coefficients sent: delta keeps the rest.
+    "demo": lambda: compjax.scale_by_demo("data", chunk=3, topk=2),
 }
 #: Transformations whose input is per-example gradients.
 PER_EXAMPLE = {"variance_based"}

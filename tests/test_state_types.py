@@ -42,6 +42,7 @@ STATEFUL = {
     "powersgd": lambda **kw: compjax.powersgd(1, "data", min_compression_rate=1.0, **kw),
     "signum": lambda **kw: compjax.sign_majority_vote("data", 0.9, **kw),
     "strom_threshold": lambda **kw: compjax.strom_threshold("data", 0.05, budget=0.5, **kw),
+    "demo": lambda **kw: compjax.scale_by_demo("data", chunk=3, topk=2, **kw),
 }
 
 
