@@ -8,6 +8,8 @@ hyperparameters and nested compressors::
     diana(qsgd(levels=2))                  # a transformation taking a compressor
     ef(scaled_sign())                      # error feedback (alias of error_feedback)
     dgc(ratio=0.001, clip_norm=1.0, warmup_steps_per_phase=20)
+    adam(b1=0.9)                           # Adam on the dense all-reduced gradient
+    onebit_adam(freeze_step=100)           # 1-bit Adam (the harness's lr is Adam's)
     powersgd(rank=2)                       # the axis name is supplied by the harness
     rank_dad(rank=2)                       # gradients from gathered activations and deltas
     chain(top_k(ratio=0.01), qsgd(levels=16))
@@ -40,6 +42,10 @@ COMPRESSORS: dict[str, Callable] = {
         "sign",
         "scaled_sign",
         "natural",
+        "natural_dithering",
+        "eden",
+        "drive",
+        "l2_scaled_sign",
         "rand_k",
         "top_k",
         "atomo",
@@ -69,10 +75,16 @@ WITH_AXIS: dict[str, Callable] = {
     "powersgd": lambda axis_name, rank=1, **kw: compjax.powersgd(rank, axis_name, **kw),
     "variance_based": compjax.variance_based,
     "strom_threshold": compjax.strom_threshold,
+    # The direction m / (sqrt(v) + eps); the harness's sgd(lr) after it is the step size.
+    "onebit_adam": compjax.scale_by_onebit_adam,
 }
 
 # Methods that replace the gradient computation itself.
 GRADIENTS = ("dense", "dad", "rank_dad")
+
+# Adam on the dense all-reduced gradient (optax.scale_by_adam after dense()); the
+# harness's sgd(lr) after it makes it optax.adam(lr).
+ADAM = "adam"
 
 # Message kinds (see compjax.collectives.record) that always travel by all-reduce.
 _REDUCED = frozenset({"dense", "flag", "scaler", "votes", "ternaries", "ranks"})
@@ -199,6 +211,18 @@ class _Builder:
             return Method(
                 self.spec, name, lambda axis: compjax.compress(comp, axis), compressor=comp
             )
+        if name == ADAM:
+            comp = compjax.identity()
+            optax.scale_by_adam(**kwargs)  # a bad hyperparameter fails here, naming it
+            return Method(
+                self.spec,
+                name,
+                lambda axis: optax.chain(
+                    compjax.compress(comp, axis), optax.scale_by_adam(**kwargs)
+                ),
+                kwargs=items,
+                compressor=comp,
+            )
         if name in ("dad", "rank_dad"):
             allowed = {"compressor"} | ({"rank", "iterations"} if name == "rank_dad" else set())
             unknown = set(kwargs) - allowed
@@ -214,7 +238,7 @@ class _Builder:
                 kwargs=items,
                 compressor=kwargs.get("compressor"),
             )
-        known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS})
+        known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS, ADAM})
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise self.error(node, f"unknown method {name!r}{hint}; one of {known}")
