@@ -8,6 +8,8 @@ hyperparameters and nested compressors::
     diana(qsgd(levels=2))                  # a transformation taking a compressor
     ef(scaled_sign())                      # error feedback (alias of error_feedback)
     dgc(ratio=0.001, clip_norm=1.0, warmup_steps_per_phase=20)
+    adam(b1=0.9)                           # Adam on the dense all-reduced gradient
+    onebit_adam(freeze_step=100)           # 1-bit Adam (the harness's lr is Adam's)
     powersgd(rank=2)                       # the axis name is supplied by the harness
     demo(topk=8)                           # DeMo's direction (the SGD step follows)
     rank_dad(rank=2)                       # gradients from gathered activations and deltas
@@ -42,6 +44,10 @@ COMPRESSORS: dict[str, Callable] = {
         "scaled_sign",
         "natural",
         "int_quant",
+        "natural_dithering",
+        "eden",
+        "drive",
+        "l2_scaled_sign",
         "rand_k",
         "top_k",
         "atomo",
@@ -73,10 +79,16 @@ WITH_AXIS: dict[str, Callable] = {
     "strom_threshold": compjax.strom_threshold,
     # DeMo's sign direction; the SGD that follows is its step (weight decay 0).
     "demo": compjax.scale_by_demo,
+    # The direction m / (sqrt(v) + eps); the harness's sgd(lr) after it is the step size.
+    "onebit_adam": compjax.scale_by_onebit_adam,
 }
 
 # Methods that replace the gradient computation itself.
 GRADIENTS = ("dense", "dad", "rank_dad")
+
+# Adam on the dense all-reduced gradient (optax.scale_by_adam after dense()); the
+# harness's sgd(lr) after it makes it optax.adam(lr).
+ADAM = "adam"
 
 # Message kinds (see compjax.collectives.record) that always travel by all-reduce.
 _REDUCED = frozenset({"dense", "flag", "scaler", "votes", "ternaries", "ranks"})
@@ -203,6 +215,18 @@ class _Builder:
             return Method(
                 self.spec, name, lambda axis: compjax.compress(comp, axis), compressor=comp
             )
+        if name == ADAM:
+            comp = compjax.identity()
+            optax.scale_by_adam(**kwargs)  # a bad hyperparameter fails here, naming it
+            return Method(
+                self.spec,
+                name,
+                lambda axis: optax.chain(
+                    compjax.compress(comp, axis), optax.scale_by_adam(**kwargs)
+                ),
+                kwargs=items,
+                compressor=comp,
+            )
         if name in ("dad", "rank_dad"):
             allowed = {"compressor"} | ({"rank", "iterations"} if name == "rank_dad" else set())
             unknown = set(kwargs) - allowed
@@ -218,7 +242,7 @@ class _Builder:
                 kwargs=items,
                 compressor=kwargs.get("compressor"),
             )
-        known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS})
+        known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS, ADAM})
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise self.error(node, f"unknown method {name!r}{hint}; one of {known}")

@@ -205,10 +205,12 @@ class Problem:
             while (build := self.method.dgc_phase(step)) is not None:
                 plan["phases"].append((step, step + per, self.messages(build(AXIS))))
                 step += per
-        if self.method.name == "powersgd" and opts.get("start_iter", 0):
+        # Warm-ups that all-reduce the gradient uncompressed (and record nothing while traced).
+        warmup = {"powersgd": opts.get("start_iter", 0), "onebit_adam": opts.get("freeze_step", 0)}
+        if warmup.get(self.method.name):
             dense = [("dense", 32 * a.size) for a in jax.tree.leaves(self.params)]
             flags = [m for m in steady if m[0] == "flag"]
-            plan["dense_until"] = int(opts["start_iter"])
+            plan["dense_until"] = int(warmup[self.method.name])
             plan["dense"] = flags + dense
         return plan
 

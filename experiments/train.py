@@ -261,7 +261,9 @@ def _read_config(file: Path) -> dict[str, Any]:
 
 
 def _parse_args(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
-    names = sorted({*methods.COMPRESSORS, *methods.WITH_COMPRESSOR, *methods.WITH_AXIS})
+    names = sorted(
+        {*methods.COMPRESSORS, *methods.WITH_COMPRESSOR, *methods.WITH_AXIS, methods.ADAM}
+    )
     epilog = (
         f"tasks: {', '.join(sorted(tasks.TASKS))}.  methods (--method, an expression such as "
         f'"ef(top_k(ratio=0.01))"): dense(), {", ".join(names)}, '

@@ -25,6 +25,8 @@ FIGURES = (
     "fig7_signsgd",
     "fig8_frontier",
     "fig9_speedup",
+    "fig10_onebit_adam",
+    "fig11_variance_per_bit",
     "fig12_demo",
 )
 

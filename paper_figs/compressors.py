@@ -155,12 +155,14 @@ def theoretical_bound(comp: compjax.Compressor, sizes: list[int]) -> float | Non
     return None if None in deltas else 1.0 - min(deltas)
 
 
-def measure(spec: str, comp: compjax.Compressor, gradients: list, seed: int) -> Measurement:
-    """Apply ``comp`` layer-wise to every gradient with :data:`NUM_KEYS` keys."""
+def measure(
+    spec: str, comp: compjax.Compressor, gradients: list, seed: int, num_keys: int = NUM_KEYS
+) -> Measurement:
+    """Apply ``comp`` layer-wise to every gradient with ``num_keys`` keys."""
     sizes = [leaf.size for leaf in jax.tree.leaves(gradients[0])]
     samples, biases = [], []
     for i, grads in enumerate(gradients):
-        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), NUM_KEYS)
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(seed), i), num_keys)
         relative, bias, bits = _checkpoint_samples(comp, keys, grads)
         samples.append(relative)
         biases.append(bias)

@@ -32,6 +32,12 @@ from experiments import data, methods, tasks, train
         ("rank_dad(rank=2)", "rank_dad", "rank_dad"),
         ("signum()", "signum", "local"),
         ("demo(topk=8)", "demo", "local"),
+        ("adam(b1=0.8)", "adam", "local"),
+        ("onebit_adam(freeze_step=5, flatten=True)", "onebit_adam", "local"),
+        ("ef(drive())", "ef", "local"),
+        ("eden(bits=2)", "eden", "local"),
+        ("natural_dithering(levels=4)", "natural_dithering", "local"),
+        ("ef(l2_scaled_sign())", "ef", "local"),
     ],
 )
 def test_parse_builds_each_kind_of_method(spec, name, gradients):
@@ -54,6 +60,8 @@ def test_parse_builds_each_kind_of_method(spec, name, gradients):
         ("os.system('true')", "registered name"),
         ("qsgd(", "not an expression"),
         ("qsgd(wrong=1)", "wrong"),
+        ("onebit_adam(freeze_step=0)", "freeze_step"),
+        ("adam(wrong=1)", "wrong"),
     ],
 )
 def test_parse_rejects_bad_expressions_naming_the_problem(spec, match):
@@ -63,11 +71,27 @@ def test_parse_rejects_bad_expressions_naming_the_problem(spec, match):
 
 def test_messages_travel_by_the_collective_the_method_uses():
     assert not methods.parse("dense()").gathered("payload")  # identity is linear: psum
+    assert not methods.parse("adam()").gathered("payload")
     assert methods.parse("qsgd(levels=4)").gathered("payload")
     assert not methods.parse("powersgd(rank=1)").gathered("P")
     assert methods.parse("rank_dad(rank=1)").gathered("P")
     assert not methods.parse("terngrad_allreduce()").gathered("ternaries")
     assert methods.parse("signsgd()").gathered("signs")
+
+
+def test_onebit_adam_warm_up_is_counted_dense_then_compressed():
+    from experiments.problem import Problem
+
+    cfg = train.Config(task="logreg", method="onebit_adam(freeze_step=3)", workers=2, steps=5)
+    problem = Problem(cfg.resolved())
+    plan = problem.bits_plan()
+    dense = sum(32 * a.size for a in jax.tree.leaves(problem.params))
+    warm = sum(b for kind, b in problem.step_messages(plan, 2) if kind != "flag")
+    steady = sum(b for _, b in problem.step_messages(plan, 3))
+    assert plan["dense_until"] == 3 and warm == dense
+    assert 0 < steady < dense / 4
+    adam = Problem(dataclasses.replace(cfg, method="adam()").resolved())
+    assert sum(b for kind, b in adam.bits_plan()["steady"] if kind != "flag") == dense
 
 
 # --- the cost model -------------------------------------------------------------
