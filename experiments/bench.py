@@ -34,7 +34,7 @@ table with each goal, MET or MISSED), and prints the table.
 
 Usage::
 
-    python -m experiments.bench            # everything (about 5 minutes on 2 cores)
+    python -m experiments.bench            # everything (7.5 min + 3-5 min per EDEN codec)
     python -m experiments.bench --quick    # fewer repeats, smaller step (a smoke run)
 
 The multi-device parts run in subprocesses of this module (``--part step``,
