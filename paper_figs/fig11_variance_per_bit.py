@@ -80,6 +80,7 @@ UNBIASED: tuple[tuple[str, str], ...] = (
     *((f"rand_k(ratio={r})", "rand-k") for r in (0.01, 0.25)),
     ("atomo(budget=16)", "ATOMO"),
     *((f"eden(bits={b})", "EDEN") for b in (1, 2, 4)),
+    *((f"int_quant(bits={b})", "integer") for b in (2, 4, 8)),
 )
 BIASED: tuple[tuple[str, str], ...] = (
     ("drive()", "biased"),
@@ -98,6 +99,7 @@ FAMILY_COLORS = {
     "rand-k": "tab:orange",
     "ATOMO": "tab:purple",
     "EDEN": "tab:red",
+    "integer": "tab:brown",
     "biased": "gray",
 }
 

@@ -46,7 +46,8 @@ COMPRESSION = 10.0
 # same 300 steps at seed 0: natural_dithering(), eden(bits=1), ef(drive()) and
 # ef(l2_scaled_sign()) over {0.05, 0.1} (each 95.8% at 0.05, 96.2-96.4% at 0.1), and
 # onebit_adam (Adam's step size; 60 warm-up steps, 20% of the quick run's 300, 10% of the
-# full run's 600) over {1e-3, 3e-3, 1e-2} (97.6%, 96.4%, diverged at 1e-2).
+# full run's 600) over {1e-3, 3e-3, 1e-2} (97.6%, 96.4%, diverged at 1e-2).  int_quant(bits=4)
+# (issue 16) uses the task's 0.1 like the other unbiased quantisers, untuned.
 METHODS: tuple[tuple[str, float, str], ...] = (
     ("dense()", 0.1, "baseline"),
     ("cast('bfloat16')", 0.1, "baseline"),
@@ -58,6 +59,7 @@ METHODS: tuple[tuple[str, float, str], ...] = (
     ("natural()", 0.1, "quantisation"),
     ("natural_dithering()", 0.1, "quantisation"),
     ("eden(bits=1)", 0.1, "quantisation"),
+    ("int_quant(bits=4)", 0.1, "quantisation"),
     ("diana(qsgd(levels=1))", 0.1, "quantisation"),
     ("sign()", 3e-3, "sign"),
     ("signsgd()", 3e-3, "sign"),

@@ -18,7 +18,7 @@ def test_resnet50_tree_has_torchvision_parameter_count():
 
 
 def test_every_benchmarked_spec_builds_its_compressor():
-    names = [type(bench.make_compressor(s)).__name__ for s in bench.ELEMENTWISE]
+    names = [type(bench.make_compressor(c.spec)).__name__ for c in bench.CODECS]
     assert names == [
         "Sign",
         "ScaledSign",
@@ -28,7 +28,47 @@ def test_every_benchmarked_spec_builds_its_compressor():
         "Natural",
         "Cast",
         "Cast",
+        "NaturalDithering",
+        "L2ScaledSign",
+        "Drive",
+        "Drive",
+        "Drive",
+        "Drive",
     ]
+    assert len(bench.CODEC) == len(bench.CODECS)  # one line each
+
+
+def test_codec_table_decides_sections_and_goals():
+    """A codec runs where its line says; EDEN's goal is 3x on 2^24 only."""
+    assert "eden(bits=1)" in bench.specs("roofline")
+    assert "eden(bits=1)" not in bench.specs("step") + bench.specs("roofline_buckets")
+    assert set(bench.specs("torch")) < set(bench.specs("step"))
+    assert "natural_dithering()" in bench.specs("step")
+    res = {
+        "roofline_tree": {
+            "entries": 10,
+            "compressors": {
+                "eden(bits=1)": _roofline(1.0, 2.0, 2.0),
+                "sign()": _roofline(1.0, 0.5, 0.5),
+            },
+        },
+        "roofline": {"entries": 10, "compressors": {"eden(bits=1)": _roofline(1.0, 1.5, 1.5)}},
+        "hadamard": {
+            "rounds": 3,
+            "median_s": {"copy": 1.0, "fwht": 2.0, "rotate": 6.0},
+            "fwht_ratio": 2.0,
+            "rotate_ratio": 6.0,
+            "page_faults_per_call": {"copy": 0.0, "fwht": 0.0, "rotate": 0.0},
+        },
+    }
+    goals = [r for r in bench.goal_rows(res) if r["group"] == "roofline"]
+    assert [(r["what"].split()[0], r["goal"], r["met"]) for r in goals] == [
+        ("`eden(bits=1)`", "<= 3x", True),
+        ("`sign()`", "<= 2x", True),
+    ]
+    reported = bench.reported_rows(res)
+    assert [r["group"] for r in reported] == ["roofline", "hadamard", "hadamard"]
+    assert reported[0]["ratio"] == 4.0  # EDEN on the tree: no goal there
 
 
 def test_interleaved_calls_every_function_in_rounds():
@@ -42,15 +82,19 @@ def test_interleaved_calls_every_function_in_rounds():
     assert bench.median([3.0, 1.0, 2.0]) == 2.0
 
 
-def _result(copy, compress, decompress, sampled, exact, step, plain, counts):
-    """A minimal result of one spec, with the given median times (seconds)."""
-    comp = {
+def _roofline(copy, compress, decompress):
+    return {
         "median_s": {"copy": copy, "compress": compress, "decompress": decompress},
         "ratio": (compress + decompress) / copy,
         "compress_ratio": compress / copy,
         "decompress_ratio": decompress / copy,
         "page_faults_per_call": {"copy": 0.0, "compress": 0.0, "decompress": 0.0},
     }
+
+
+def _result(copy, compress, decompress, sampled, exact, step, plain, counts):
+    """A minimal result of one spec, with the given median times (seconds)."""
+    comp = _roofline(copy, compress, decompress)
     return {
         "machine": {"cpu": "cpu", "cpu_count": 2, "jax": "x"},
         "config": {"repeats": 3},
@@ -118,10 +162,12 @@ def test_quick_run_writes_every_section(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "bench.json").read_text())
-    for section in ("roofline", "roofline_tree", "roofline_buckets", "memory", "topk", "step"):
+    sections = ("roofline", "roofline_tree", "roofline_buckets", "hadamard", "memory", "topk")
+    for section in (*sections, "step"):
         assert "error" not in res[section], res[section]
-    assert set(res["roofline"]["compressors"]) == set(bench.ELEMENTWISE)
-    assert set(res["step"]["ratio"]) == set(bench.ELEMENTWISE)
+    for section in (*bench.ROOFLINE_PARTS, "memory"):
+        assert set(res[section]["compressors"]) == set(bench.specs(section))
+    assert set(res["step"]["ratio"]) == set(bench.specs("step"))
     assert all(r["ratio"] > 0 for r in res["goals"] if r["group"] != "pytorch")
     table = (tmp_path / "bench.md").read_text()
     assert table == bench.markdown(res, res["goals"])  # the table is the JSON's
