@@ -30,6 +30,7 @@ def test_every_benchmarked_spec_builds_its_compressor():
         "Cast",
         "NaturalDithering",
         "L2ScaledSign",
+        "IntQuant",
         "Drive",
         "Drive",
         "Drive",

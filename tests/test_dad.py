@@ -252,6 +252,7 @@ def test_rank_dad_exact_at_the_true_rank_and_agrees_on_it():
     assert_trees_close(got, pooled_grad(loss_fn, params, batch), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # 13 s; rank-dAD against PowerSGD at equal rank stays in make test
 def test_rank_dad_error_decreases_as_the_rank_grows():
     # 8 examples per site: the shared layer's two calls give 16 rows, so rank 16 covers all.
     loss_fn, params, batch = mlp_problem(local_batch=8)

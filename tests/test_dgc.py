@@ -121,7 +121,13 @@ def updates_as_vectors(update, flatten):
 GRADS = [worker_grads(N, t) for t in range(STEPS)]
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=pytest.mark.slow) if n == "sampled threshold, warm-up" else n
+        for n in CASES
+    ],
+)
 def test_matches_reference_under_vmap_and_shard_map(name):
     kwargs = dict(CASES[name])
     selection = {k: kwargs.pop(k) for k in ("sampled_threshold", "sample_ratio") if k in kwargs}

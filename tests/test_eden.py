@@ -61,13 +61,20 @@ def test_fwht_is_the_orthonormal_hadamard_matrix():
 def test_blocked_fwht_of_long_vectors_is_the_per_stage_butterfly_bit_for_bit():
     """Past 2**16 entries a vector is transformed in two blocked passes; the same additions
     in the same order as the per-stage butterfly (which batched inputs take)."""
-    for log2 in (17, 18):
+    for log2 in (17,):  # 2**18 too with make test-slow (test_blocked_fwht_at_2_18)
         x = jax.random.normal(jax.random.key(log2), (1 << log2,), jnp.float32)
         blocked = jax.jit(hadamard.fwht)(x)
         per_stage = jax.jit(hadamard.fwht)(x[None])[0]
         np.testing.assert_array_equal(blocked, per_stage)
         np.testing.assert_array_equal(jax.jit(jax.vmap(hadamard.fwht))(x[None])[0], per_stage)
         np.testing.assert_allclose(jax.jit(hadamard.fwht)(blocked), x, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_blocked_fwht_at_2_18():
+    x = jax.random.normal(jax.random.key(18), (1 << 18,), jnp.float32)
+    per_stage = jax.jit(hadamard.fwht)(x[None])[0]
+    np.testing.assert_array_equal(jax.jit(hadamard.fwht)(x), per_stage)
 
 
 def test_randomized_rotation_inverts():

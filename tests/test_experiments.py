@@ -178,6 +178,7 @@ def test_dense_run_is_gradient_descent_on_the_pooled_data(tmp_path):
     assert [r["bits"] for r in result.records[1:]] == [result.info["dense_bits"] + 8] * 10
 
 
+@pytest.mark.slow  # 25 s; tests/test_experiments_crash.py resumes killed runs in make test
 def test_an_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     cfg = train.Config(
         task="logreg_sgd",

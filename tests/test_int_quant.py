@@ -123,7 +123,11 @@ def test_mean_variance_is_that_of_one_shared_scale():
     assert abs(mean - 0.9 * expected) > 5 * se
 
 
-@pytest.mark.parametrize("exchange", ["scatter_gather", compjax.hierarchical("local")], ids=str)
+@pytest.mark.parametrize(
+    "exchange",
+    ["scatter_gather", pytest.param(compjax.hierarchical("local"), marks=pytest.mark.slow)],
+    ids=str,
+)
 def test_every_exchange_sums_integers(exchange):
     """scatter_gather takes the same integer all-reduce; hierarchical sums over the slow axis."""
     if exchange == "scatter_gather":

@@ -86,7 +86,6 @@ def abstract(tree):
 #: None leaves, counters, 1-bit Adam's two memories); the rest run with make test-slow.
 FAST = {
     "error_feedback(top_k)",
-    "diana(qsgd, scatter_gather)",
     "powersgd",
     "strom_threshold",
     "onebit_adam",

@@ -112,7 +112,9 @@ def _with_nan(grads):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: compjax.error_feedback(compjax.top_k(k=3), "data"),
+        pytest.param(
+            lambda: compjax.error_feedback(compjax.top_k(k=3), "data"), marks=pytest.mark.slow
+        ),
         lambda: compjax.diana(compjax.qsgd(2), "data"),
         pytest.param(lambda: compjax.ef21(compjax.top_k(k=3), "data"), marks=pytest.mark.slow),
         pytest.param(
