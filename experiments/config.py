@@ -34,7 +34,7 @@ class Config:
       steps: optimizer steps.
       seed: seeds the initialisation, the data split, the batches and the method.
       lr: learning rate of the SGD that follows the exchange.
-      momentum: its momentum (0: none).
+      momentum: its momentum (0: none; None: the task's).
       batch_size: examples per worker per step (0: the whole shard).
       eval_every: steps between evaluations (and the length of one jitted scan).
       checkpoint_every: steps between checkpoints (rounded up to ``eval_every``).
@@ -48,7 +48,7 @@ class Config:
     steps: int | None = None
     seed: int = 0
     lr: float | None = None
-    momentum: float = 0.0
+    momentum: float | None = None
     batch_size: int | None = None
     eval_every: int = 10
     checkpoint_every: int = 200
@@ -69,6 +69,7 @@ class Config:
             cfg,
             steps=task.steps if cfg.steps is None else cfg.steps,
             lr=task.lr if cfg.lr is None else cfg.lr,
+            momentum=task.momentum if cfg.momentum is None else cfg.momentum,
             batch_size=(task.batch_size or 0) if cfg.batch_size is None else cfg.batch_size,
         )
         check_ranges(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import string
 
 import numpy as np
 from sklearn.datasets import load_breast_cancer, load_digits
@@ -27,12 +28,15 @@ class Dataset:
 
     ``partition`` is ``"shuffle"`` (i.i.d. worker shards) or ``"contiguous"``
     (the train split is ordered by worker; see :func:`worker_shards`).
+    ``validation``, where a dataset has one, is held out of ``train`` for
+    tuning hyperparameters, so that the test split is never used for it.
     """
 
     train: Split
     test: Split
     num_classes: int
     partition: str = "shuffle"
+    validation: Split | None = None
 
 
 def _standardise(train: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -119,23 +123,86 @@ def heterogeneous_logistic(
 
 
 @functools.lru_cache(maxsize=4)
-def mnist1d(seed: int = 42) -> Dataset:
+def mnist1d(seed: int = 42, validation: int = 0) -> Dataset:
     """MNIST-1D (Greydanus 2020) generated locally: 4000/1000 signals of length 40, 10 classes.
 
     ``mnist1d.data.make_dataset`` builds it from templates (no download);
     the signals are standardised with the train statistics.
+
+    Args:
+      seed: the generator's seed.
+      validation: how many of the 4000 training signals to hold out (the
+        last ones of a permutation seeded by ``seed``) as the validation
+        split; the test split is the same whatever this is.
     """
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
     args.seed = seed
     data = make_dataset(args)
-    x_train, x_test = _standardise(np.asarray(data["x"]), np.asarray(data["x_test"]))
+    x, y = np.asarray(data["x"]), np.asarray(data["y"], np.int32)
+    if not 0 <= validation < len(y):
+        raise ValueError(f"validation must be in [0, {len(y)}), got {validation}")
+    order = np.random.default_rng(seed).permutation(len(y)) if validation else np.arange(len(y))
+    keep, held = order[: len(y) - validation], order[len(y) - validation :]
+    x_train, x_rest = _standardise(x[keep], np.concatenate([x[held], np.asarray(data["x_test"])]))
     return Dataset(
-        train=Split(x_train, np.asarray(data["y"], np.int32)),
-        test=Split(x_test, np.asarray(data["y_test"], np.int32)),
+        train=Split(x_train, y[keep]),
+        test=Split(x_rest[validation:], np.asarray(data["y_test"], np.int32)),
         num_classes=10,
+        validation=Split(x_rest[:validation], y[held]) if validation else None,
     )
+
+
+#: The characters of :func:`characters`' vocabulary; any other is the unknown token.
+CHARACTERS = string.printable
+
+
+def pydoc_text() -> str:
+    """The prose of Python's own documentation, shipped with the interpreter (no download).
+
+    ``pydoc_data.topics.topics`` maps the names of ``help()``'s topics to
+    their text (about 465,000 characters in Python 3.12); they are joined in
+    sorted-key order.
+    """
+    from pydoc_data.topics import topics
+
+    return "".join(topics[key] for key in sorted(topics))
+
+
+def encode(text: str) -> np.ndarray:
+    """int32 codes of ``text``: the index in :data:`CHARACTERS`, or ``len(CHARACTERS)``."""
+    table = np.full(0x110000, len(CHARACTERS), np.int32)
+    table[[ord(c) for c in CHARACTERS]] = np.arange(len(CHARACTERS))
+    return table[np.frombuffer(text.encode("utf-32-le"), np.uint32)]
+
+
+@functools.lru_cache(maxsize=2)
+def characters(length: int = 64, held_out: float = 0.1) -> Dataset:
+    """Next-character prediction on :func:`pydoc_text`: a character-level language model.
+
+    The text is cut in order into train, validation (the ``held_out``
+    fraction before the last) and test (the last ``held_out`` fraction), so
+    no character of one part is in another; each part is cut into
+    non-overlapping windows of ``length + 1`` characters whose first
+    ``length`` are ``x`` and last ``length`` are ``y`` (the next character at
+    every position), both ``(n, length)`` int32 codes of :func:`encode`:
+    the printable ASCII characters and an unknown token (101 classes).
+    Deterministic: the same text gives the same splits.
+    """
+    codes = encode(pydoc_text())
+    cut = round(len(codes) * held_out)
+    parts = codes[: len(codes) - 2 * cut], codes[len(codes) - 2 * cut : len(codes) - cut]
+    parts += (codes[len(codes) - cut :],)
+
+    def windows(part: np.ndarray) -> Split:
+        n = (len(part) - 1) // length
+        x = part[: n * length].reshape(n, length)
+        y = part[1 : n * length + 1].reshape(n, length)
+        return Split(x, y)
+
+    train, validation, test = (windows(p) for p in parts)
+    return Dataset(train=train, test=test, num_classes=len(CHARACTERS) + 1, validation=validation)
 
 
 def majority_tokens(
@@ -188,7 +255,7 @@ def worker_shards(split: Split, workers: int, partition: str, seed: int = 0):
     """
     order = _dealt(len(split), workers, partition, seed)
     x = split.x[order].reshape(workers, -1, *split.x.shape[1:])
-    y = split.y[order].reshape(workers, -1)
+    y = split.y[order].reshape(workers, -1, *split.y.shape[1:])
     return x, y
 
 

@@ -33,18 +33,38 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> jax.Array:
 
 
 class CNN1D(nn.Module):
-    """A small 1-D convolutional network for signals ``(batch, length)``."""
+    """A 1-D convolutional network for signals ``(batch, length)``.
+
+    ReLU convolutions of ``channels`` (``'SAME'`` padding; the first with
+    stride 1, the others with stride 2 unless ``strides`` says), flattened,
+    then ReLU dense layers of ``hidden`` widths and the logits.
+    """
 
     channels: Sequence[int] = (16, 32)
     kernel_size: int = 5
     num_classes: int = 10
+    hidden: Sequence[int] = ()
+    strides: Sequence[int] | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x[..., None]
         for i, width in enumerate(self.channels):
-            x = nn.relu(nn.Conv(width, (self.kernel_size,), strides=(1 + (i > 0),))(x))
-        return nn.Dense(self.num_classes)(x.reshape(x.shape[0], -1))
+            stride = 1 + (i > 0) if self.strides is None else self.strides[i]
+            x = nn.relu(nn.Conv(width, (self.kernel_size,), strides=(stride,))(x))
+        x = x.reshape(x.shape[0], -1)
+        for width in self.hidden:
+            x = nn.relu(nn.Dense(width)(x))
+        return nn.Dense(self.num_classes)(x)
+
+
+def _block(x: jax.Array, heads: int, hidden: int, mask: jax.Array | None = None) -> jax.Array:
+    """A pre-norm transformer block (self-attention, then a GELU MLP of ``hidden``), made
+    inside the calling module's ``nn.compact`` method (its layers are that module's)."""
+    y = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=heads)(y, y, mask=mask)
+    y = nn.LayerNorm()(x)
+    return x + nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(hidden)(y)))
 
 
 class TinyTransformer(nn.Module):
@@ -60,8 +80,29 @@ class TinyTransformer(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = nn.Embed(self.vocab, self.width)(tokens)
         x = x + self.param("position", nn.initializers.normal(0.02), (self.length, self.width))
-        y = nn.LayerNorm()(x)
-        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y)
-        y = nn.LayerNorm()(x)
-        x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(2 * self.width)(y)))
+        x = _block(x, self.heads, 2 * self.width)
         return nn.Dense(self.num_classes)(nn.LayerNorm()(x).mean(axis=1))
+
+
+class CharTransformer(nn.Module):
+    """A causal pre-norm transformer language model: next-token logits at every position.
+
+    Token and learned position embeddings, ``blocks`` blocks of causal
+    multi-head self-attention and a GELU MLP (``4 * width``), a final
+    LayerNorm and a dense layer to ``vocab`` logits: ``(batch, length, vocab)``.
+    """
+
+    vocab: int = 101
+    length: int = 64
+    width: int = 128
+    heads: int = 4
+    blocks: int = 2
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = nn.Embed(self.vocab, self.width)(tokens)
+        x = x + self.param("position", nn.initializers.normal(0.02), (self.length, self.width))
+        mask = nn.make_causal_mask(tokens)
+        for _ in range(self.blocks):
+            x = _block(x, self.heads, 4 * self.width, mask)
+        return nn.Dense(self.vocab)(nn.LayerNorm()(x))

@@ -146,24 +146,43 @@ class Problem:
         init = jax.shard_map(self.opt.init, mesh=self.mesh, in_specs=P(), out_specs=self.specs)
         return jax.jit(init)(params)
 
+    def eval_sets(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """``{"train", "test"[, "validation"]: (x, y)}`` the evaluation uses.
+
+        The train set is the workers' shards (the examples trained on); each
+        set is cut to the task's ``eval_examples`` (evenly spaced) if it has one.
+        """
+        sets = {
+            "train": (self.x.reshape(-1, *self.x.shape[2:]), self.y.reshape(-1, *self.y.shape[2:])),
+            "test": (self.dataset.test.x, self.dataset.test.y),
+        }
+        if self.dataset.validation is not None:
+            sets["validation"] = (self.dataset.validation.x, self.dataset.validation.y)
+        cap = self.task.eval_examples
+        for name, (x, y) in sets.items():
+            if cap is not None and len(y) > cap:
+                idx = np.linspace(0, len(y) - 1, cap).round().astype(int)
+                sets[name] = (x[idx], y[idx])
+        return sets
+
     def eval_fn(self):
-        train_x = jnp.asarray(self.x.reshape(-1, *self.x.shape[2:]))
-        train_y = jnp.asarray(self.y.reshape(-1))
-        test_x = jnp.asarray(self.dataset.test.x)
-        test_y = jnp.asarray(self.dataset.test.y)
+        sets = {k: (jnp.asarray(x), jnp.asarray(y)) for k, (x, y) in self.eval_sets().items()}
         optimum = self.optimum
         l2 = self.task.l2
 
         @jax.jit
         def evaluate(params):
-            train_loss, train_acc = self.loss_and_accuracy(params, (train_x, train_y))
-            test_loss, test_acc = self.loss_and_accuracy(params, (test_x, test_y))
+            train_loss, train_acc = self.loss_and_accuracy(params, sets["train"])
+            test_loss, test_acc = self.loss_and_accuracy(params, sets["test"])
             out = {
                 "objective": train_loss + tasks.l2_term(params, l2),
                 "train_accuracy": train_acc,
                 "test_loss": test_loss,
                 "test_accuracy": test_acc,
             }
+            if "validation" in sets:
+                val_loss, val_acc = self.loss_and_accuracy(params, sets["validation"])
+                out["validation_loss"], out["validation_accuracy"] = val_loss, val_acc
             if optimum is not None:
                 diff = jax.tree.map(lambda p, q: p - q.astype(p.dtype), params, optimum)
                 out["dist_to_opt"] = sum(jnp.sum(jnp.square(d)) for d in jax.tree.leaves(diff))

@@ -35,6 +35,9 @@ class Task:
       lr: default learning rate.
       steps: default number of steps.
       convex: a linear model, whose optimum :func:`optimum` computes.
+      momentum: default momentum of the SGD.
+      eval_examples: evaluate on at most this many examples of each split (a
+        fixed, evenly spaced subset); ``None`` evaluates on all of them.
     """
 
     name: str
@@ -46,6 +49,14 @@ class Task:
     lr: float = 0.1
     steps: int = 300
     convex: bool = False
+    momentum: float = 0.0
+    eval_examples: int | None = None
+
+
+# Dense learning rates and step counts of the two larger tasks, tuned on their
+# validation splits (see the README's task table).
+LR_WIDE, STEPS_WIDE = 0.2, 600
+LR_CHAR, STEPS_CHAR = 0.1, 800
 
 
 def _linear(num_classes: int) -> nn.Module:
@@ -114,6 +125,32 @@ TASKS: dict[str, Task] = {
             batch_size=32,
             lr=0.05,
             steps=1000,
+        ),
+        Task(
+            "mnist1d_wide",
+            "1-D CNN (32, 64 channels, kernel 5) + dense 2560-512-10 (1.33M parameters, "
+            "99.9% in kernels), MNIST-1D with 400 of the train signals held out for "
+            "validation, 32 examples per worker, SGD momentum 0.9",
+            lambda workers, seed: data.mnist1d(validation=400),
+            lambda c: models.CNN1D(channels=(32, 64), strides=(1, 1), hidden=(512,), num_classes=c),
+            batch_size=32,
+            lr=LR_WIDE,
+            momentum=0.9,
+            steps=STEPS_WIDE,
+            eval_examples=1000,
+        ),
+        Task(
+            "char_lm",
+            "character-level causal transformer (2 blocks, width 128) on Python's pydoc "
+            "topics (80/10/10% train/validation/test), 64 characters, 4 sequences per "
+            "worker, SGD momentum 0.9",
+            lambda workers, seed: data.characters(),
+            lambda c: models.CharTransformer(vocab=c),
+            batch_size=4,
+            lr=LR_CHAR,
+            momentum=0.9,
+            steps=STEPS_CHAR,
+            eval_examples=256,
         ),
         Task(
             "transformer",

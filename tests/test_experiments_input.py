@@ -67,7 +67,7 @@ def _cli_error(args, tmp_path, capsys) -> str:
         ({"seed": "abc"}, "seed must be int, got 'abc' (str)"),
         ({"checkpoint_every": "20"}, "checkpoint_every must be int, got '20' (str)"),
         ({"lr": "0.1"}, "lr must be float or None, got '0.1' (str)"),
-        ({"momentum": "0.9"}, "momentum must be float, got '0.9' (str)"),
+        ({"momentum": "0.9"}, "momentum must be float or None, got '0.9' (str)"),
         ({"steps": True}, "steps must be int or None, got True (bool)"),
     ],
 )
