@@ -19,6 +19,7 @@ FIGURES = (
     "fig1_diana",
     "fig2_terngrad",
     "fig3_dgc",
+    "fig3_dgc_scale",
     "fig4_atomo",
     "fig5_variance",
     "fig6_dad",
