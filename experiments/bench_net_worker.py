@@ -200,7 +200,10 @@ def build(method: BenchMethod, cfg: LMConfig, host_params, mesh, batches) -> tup
     comp = parsed.compressor if parsed else None
     entries = sum(np.size(x) for x in jax.tree.leaves(host_params))
     gathered = parsed.gathered if parsed else lambda kind: kind in ("scatter", "gather")
-    if comp is not None:
+    if comp is not None and getattr(comp, "summable", False):
+        # Its integer fields widen with n: M_c is the library's count of this run's messages.
+        payload_bits = None
+    elif comp is not None:
         payload_bits = sum(comp.bits(np.shape(x)) for x in jax.tree.leaves(host_params))
     else:
         payload_bits = method.bits_per_entry * entries if method.bits_per_entry else None

@@ -91,7 +91,7 @@ GRADIENTS = ("dense", "dad", "rank_dad")
 ADAM = "adam"
 
 # Message kinds (see compjax.collectives.record) that always travel by all-reduce.
-_REDUCED = frozenset({"dense", "flag", "scaler", "votes", "ternaries", "ranks"})
+_REDUCED = frozenset({"dense", "flag", "scale", "scaler", "votes", "ternaries", "ranks"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,8 @@ class Method:
         if kind in ("P", "Q"):
             return self.name == "rank_dad"  # PowerSGD all-reduces its factors
         if kind == "payload" and self.compressor is not None:
-            return not self.compressor.linear
+            # Linear payloads and int_quant's integer fields are summed by psum.
+            return not (self.compressor.linear or getattr(self.compressor, "summable", False))
         return True  # signs, sparse payloads, dAD's activations and deltas
 
     def dgc_phase(self, step: int) -> optax.GradientTransformation | None:

@@ -73,6 +73,8 @@ def test_messages_travel_by_the_collective_the_method_uses():
     assert not methods.parse("dense()").gathered("payload")  # identity is linear: psum
     assert not methods.parse("adam()").gathered("payload")
     assert methods.parse("qsgd(levels=4)").gathered("payload")
+    assert not methods.parse("int_quant(bits=4)").gathered("payload")  # integer psum
+    assert not methods.parse("int_quant(bits=4)").gathered("scale")  # pmax
     assert not methods.parse("powersgd(rank=1)").gathered("P")
     assert methods.parse("rank_dad(rank=1)").gathered("P")
     assert not methods.parse("terngrad_allreduce()").gathered("ternaries")
