@@ -18,6 +18,7 @@ FIGURES = (
     "compressors",
     "fig1_diana",
     "fig2_terngrad",
+    "fig2_terngrad_scale",
     "fig3_dgc",
     "fig3_dgc_scale",
     "fig4_atomo",
