@@ -21,6 +21,7 @@ FIGURES = (
     "fig2_terngrad_scale",
     "fig3_dgc",
     "fig3_dgc_scale",
+    "fig3_dgc_lm",
     "fig4_atomo",
     "fig5_variance",
     "fig6_dad",
