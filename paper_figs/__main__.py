@@ -24,6 +24,7 @@ FIGURES = (
     "fig3_dgc_lm",
     "fig4_atomo",
     "fig5_variance",
+    "fig5_variance_scale",
     "fig6_dad",
     "fig7_signsgd",
     "fig8_frontier",

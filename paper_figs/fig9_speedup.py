@@ -55,6 +55,7 @@ from compjax import costmodel
 from compjax.advise import median_seconds
 from experiments import methods, train
 from paper_figs import common
+from paper_figs.fig9_network import measured_on_network
 
 NAME = "fig9_speedup"
 OUT_DIR = common.OUT_DIR
@@ -427,6 +428,7 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
         f"against the few milliseconds a fast network needs that decides, and CPU codec "
         f"times are an upper bound on a GPU's."
     )
+    network_md, network_verdict = measured_on_network(out_dir)
     md = common.section(
         NAME,
         "Figure 9 — when compression pays: predicted speedup vs bandwidth and workers",
@@ -437,8 +439,8 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
             "the saving."
         ),
         setting=setting,
-        measured=measured_md,
-        verdict=verdict,
+        measured=measured_md + "\n\n" + network_md,
+        verdict=verdict + " " + network_verdict,
         out_dir=out_dir,
     )
     return [png, md]
