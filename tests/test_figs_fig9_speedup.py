@@ -1,6 +1,9 @@
-"""The pure helpers of paper_figs/fig9_speedup.py: the shapes, the bits, the crossing."""
+"""The pure helpers of paper_figs/fig9_speedup.py: the shapes, the bits, the crossing, and the
+measured points fig9_network reads from make bench-net's committed run."""
 
+import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +12,8 @@ import pytest
 import compjax
 from compjax import costmodel
 from experiments import methods
+from paper_figs import common
+from paper_figs import fig9_network as network
 from paper_figs import fig9_speedup as fig
 
 
@@ -47,3 +52,26 @@ def test_crossing_bandwidth_is_where_speedup_is_one():
     net = costmodel.Network(b, fig.LATENCY_US)
     dense = 0.1 + net.allreduce(1e9, 8)
     assert dense == pytest.approx(0.1 + 0.05 + net.allgather(2e7, 8))
+
+
+def test_measured_points_are_read_from_the_committed_bench_net_run(tmp_path):
+    committed = network.MEASURED + ".json"
+    shutil.copyfile(common.OUT_DIR / committed, tmp_path / committed)
+    res = json.loads((tmp_path / committed).read_text())
+    limited = [
+        (n, rate, key)
+        for n, run in res["runs"].items()
+        for key, m in run["methods"].items()
+        for rate in m["rates"]
+        if rate != "unlimited" and key != "fp32"
+    ]
+    markdown, sentence = network.measured_on_network(tmp_path)
+    assert (tmp_path / (network.MEASURED + ".png")).stat().st_size > 0
+    assert f"of {len(limited)} measured settings" in sentence
+    assert markdown.count("\n| ") == 2 + len({(n, rate) for n, rate, _ in limited}) - 1
+
+
+def test_no_committed_run_is_said_not_drawn(tmp_path):
+    markdown, sentence = network.measured_on_network(tmp_path)
+    assert "No measured run is committed" in markdown and markdown == sentence
+    assert not list(tmp_path.iterdir())
