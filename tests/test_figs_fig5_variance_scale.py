@@ -32,3 +32,13 @@ def test_verdict_words():
     assert fig.verdict(vb, strom, 2.3).startswith("Reproduced")
     assert fig.verdict(vb, dataclasses.replace(strom, ratio=200.0), 2.3).startswith("Did not")
     assert fig.verdict(None, strom, 2.3).startswith("Did not reproduce")
+
+
+def test_dominated_pairs_cross_the_methods_only():
+    p = fig.Point
+    vb_low = p(fig.VB, 8.0, "a", (3.5, 0.1), (0.0, 0.1), 100.0)
+    vb_high = p(fig.VB, 32.0, "b", (3.7, 0.1), (0.0, 0.1), 1000.0)
+    strom = p(fig.STROM, 0.05, "c", (3.3, 0.1), (0.0, 0.1), 500.0)
+    assert fig.dominated([vb_low, vb_high, strom]) == [(vb_low, strom)]
+    assert "beaten by" in fig.frontier_note([vb_low, vb_high, strom], 0.4)
+    assert "No setting" in fig.frontier_note([vb_high, strom], 0.4)
