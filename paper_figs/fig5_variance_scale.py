@@ -37,7 +37,6 @@ Writes ``out/fig5_variance_scale.png`` and ``out/fig5_variance_scale.md``.
 from __future__ import annotations
 
 import dataclasses
-import math
 import pathlib
 
 import numpy as np
@@ -45,7 +44,8 @@ from matplotlib.figure import Figure
 
 from experiments import tasks, train
 from paper_figs import common
-from paper_figs.fig3_dgc import LAST_EVALS, tail_mean
+from paper_figs.fig3_dgc import LAST_EVALS
+from paper_figs.fig3_dgc_lm import bits_per_char
 from paper_figs.fig5_variance import BUDGET, STROM, VB
 
 NAME = "fig5_variance_scale"
@@ -110,11 +110,6 @@ def configs(s: Scale) -> list[train.Config]:
         for _, _, method in methods(s)
         for seed in s.seeds
     ]
-
-
-def bits_per_char(run: train.Run) -> float:
-    """Mean test cross-entropy of the last evaluations, in bits per character."""
-    return tail_mean(run, "test_loss") / math.log(2)
 
 
 def best_matched(points: list[Point], family: str, target: float) -> Point | None:
