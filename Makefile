@@ -12,15 +12,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,experiments]'
 	touch $(STAMP)
 
-## make test: lint, then the fast test suite on both cores (CI runs this).
+## make test: lint, then the fast test suite on both cores (CI runs this).  Each test file
+## stays on one core (--dist loadfile), so its compiled programs and module fixtures are
+## built once rather than on both cores: 7m16s instead of 8m28s on this machine.
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 ## make test-slow: the long statistical and training tests.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m slow
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 ## make test-peers: install the CPU PyTorch build and run the cross-checks against it.
 test-peers: $(STAMP)
