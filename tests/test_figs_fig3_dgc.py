@@ -33,3 +33,15 @@ def test_verdict_words():
     worse = dataclasses.replace(row, test=0.55, ratio=70.0)
     assert fig.verdict([*rows[:6], worse]).startswith("Partly reproduced")
     assert fig.verdict([*rows[:5], worse, worse]).startswith("Did not reproduce")
+
+
+def test_verdict_states_whether_the_interval_rules_out_a_one_point_loss():
+    row = fig.Row("x", "m", test=0.6, train=0.9, cum_bits=1.0, ratio=1.0, steady=1.0)
+    tight = dataclasses.replace(row, gap=(0.002, 0.005))
+    loose = dataclasses.replace(row, gap=(0.002, 0.02))
+    text = fig.verdict([row] * 5 + [tight, loose])
+    assert text.startswith("Reproduced")
+    assert "+0.20 ± 0.50 points" in text and "rules out a loss" in text
+    assert "+0.20 ± 2.00 points" in text and "does not rule out" in text
+    one_seed = dataclasses.replace(row, gap=(0.002, float("inf")))
+    assert "one seed, no interval" in fig.verdict([row] * 6 + [one_seed])
