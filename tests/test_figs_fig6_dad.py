@@ -2,10 +2,11 @@
 
 import pathlib
 
+import numpy as np
 import pytest
 
 from experiments import train
-from paper_figs import common
+from paper_figs import common, fig6_dad
 from paper_figs.fig6_dad import accuracy_at_bits, max_loss_gap, paired_per_bit
 
 
@@ -49,3 +50,37 @@ def test_mean_ci95_and_its_verdict():
     assert common.ci_verdict(0.05, 0.01) == "higher"
     assert common.ci_verdict(-0.05, 0.01) == "lower"
     assert common.mean_ci95([0.3])[1] == float("inf")
+
+
+def test_first_divergence_is_the_first_step_over_the_tolerance():
+    a = _run([1.0, 0.5, 0.25, 0.2], 10, {0: 0.1})
+    b = _run([1.0, 0.5004, 0.3, 0.2], 10, {0: 0.1})
+    assert fig6_dad.first_divergence(a, b, tol=1e-3) == 3
+    assert fig6_dad.first_divergence(a, b, tol=0.1) is None
+
+
+def test_exact_window_is_set_by_the_control_that_leaves_first():
+    assert fig6_dad.exact_window([700, None, 400], steps=2000) == 399
+    assert fig6_dad.exact_window([None, None], steps=600) == 600
+    # dAD must not leave the tolerance inside the window, in any seed
+    assert fig6_dad.exact_within([None, 400, 1200], 399)
+    assert not fig6_dad.exact_within([None, 399, 1200], 399)
+    assert not fig6_dad.exact_within([3], 399)  # a wrong gradient shows at once
+
+
+def test_the_rounding_control_is_dense_one_ulp_above_the_learning_rate():
+    labelled = fig6_dad.configs(10, (0, 1), 5)
+    twins = [cfg for label, cfg in labelled if label == fig6_dad.TWIN]
+    assert len(twins) == 2 and all(c.method == "dense()" for c in twins)
+    lr = np.float32(fig6_dad.LR)
+    assert np.float32(twins[0].lr) == np.nextafter(lr, np.float32(1)) != lr
+    others = [cfg for label, cfg in labelled if label != fig6_dad.TWIN]
+    assert {c.lr for c in others} == {fig6_dad.LR}
+    assert [label for label, _ in labelled[: len(fig6_dad.methods())]] == fig6_dad.methods()
+
+
+def test_divergence_note_names_the_early_seeds_and_the_shared_steps():
+    note = fig6_dad.divergence_note([1069, 383, 418], [722, 564, 418], (0, 2, 4), 417)
+    assert note == (
+        " (seed 2 at step 383); in 1 of 3 seeds dAD and the control leave dense() at the same step"
+    )
