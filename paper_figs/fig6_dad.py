@@ -247,8 +247,10 @@ def divergence_note(
         for seed, d in zip(seeds, dad_div, strict=True)
         if d is not None and d <= window
     ]
-    same = sum(d == t for d, t in zip(dad_div, twin_div, strict=True))
+    same = sum(d is not None and d == t for d, t in zip(dad_div, twin_div, strict=True))
     text = f" ({', '.join(early)})" if early else ""
+    if all(d is None for d in (*dad_div, *twin_div)):
+        return text + "; neither dAD nor the control ever leaves it"
     return text + (
         f"; in {same} of {len(seeds)} seeds dAD and the control leave dense() at the same step"
     )
@@ -351,7 +353,12 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
         f"was amended after the first full-mode run, which asked for {EXACT_TOL:g} at every "
         "one of 2000 steps and missed it in every seed, as the control does). dAD "
         + ("matches" if exact else "does not match")
-        + f" pooled SGD over the first {window} steps, where the control leaves it first"
+        + f" pooled SGD over the first {window} steps"
+        + (
+            ", where the control leaves it first"
+            if any(t is not None for t in twin_div)
+            else " (all of them)"
+        )
         + divergence_note(dad_div, twin_div, seeds, window)
         + f"; rank-dAD is better per bit at {wins} of "
         f"{len(RANKS)} ranks and worse at {losses} (no difference detected at the rest), "

@@ -84,3 +84,8 @@ def test_divergence_note_names_the_early_seeds_and_the_shared_steps():
     assert note == (
         " (seed 2 at step 383); in 1 of 3 seeds dAD and the control leave dense() at the same step"
     )
+    assert fig6_dad.divergence_note([None, 383], [None, 383], (0, 1), 2000).endswith(
+        "in 1 of 2 seeds dAD and the control leave dense() at the same step"
+    )
+    never = fig6_dad.divergence_note([None, None], [None, None], (0, 1), 600)
+    assert never == "; neither dAD nor the control ever leaves it"
