@@ -1,6 +1,9 @@
-"""Test configuration: 8 simulated CPU devices and the hypothesis profiles."""
+"""Test configuration: 8 simulated CPU devices, a shared compilation cache, hypothesis profiles."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Simulated devices must be requested before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -9,6 +12,17 @@ import jax
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# One persistent compilation cache per test run, shared by the xdist workers (they inherit
+# the controller's environment): a program compiled by one test file is loaded, not
+# recompiled, by the others.  A directory given in JAX_COMPILATION_CACHE_DIR is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and "PYTEST_XDIST_WORKER" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="compjax-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 # "ci" is deterministic (derandomize) and small; "dev" explores more.
 settings.register_profile(
