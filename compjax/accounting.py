@@ -173,7 +173,10 @@ def _local_shape(shape: tuple[int, ...], spec, mesh, names: tuple[str, ...]) -> 
                 f"specs: {spec} shards a leaf over the data-parallel axis {axes}; "
                 f"communication() counts leaves sharded over other axes (a model axis) only"
             )
-        blocks = math.prod(dict(mesh.shape)[a] for a in axes)
+        unknown = [a for a in axes if a not in mesh.shape]
+        if unknown:
+            raise ValueError(f"specs: {spec} names {unknown[0]!r}, not an axis of mesh")
+        blocks = math.prod(mesh.shape[a] for a in axes)
         if out[dim] % blocks:
             raise ValueError(f"specs: {spec} does not split a leaf of shape {shape} evenly")
         out[dim] //= blocks

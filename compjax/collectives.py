@@ -147,8 +147,8 @@ def num_workers(axis_name: AxisName) -> int:
     """Number of workers along ``axis_name`` (1 for ``None``).
 
     Raises:
-      ValueError: the axis name is not bound here (not inside ``pmap``,
-        ``shard_map`` or ``vmap`` with that name).
+      UnboundAxisError: (a ``ValueError``) the axis name is not bound here
+        (not inside ``pmap``, ``shard_map`` or ``vmap`` with that name).
     """
     size = 1
     for name in _names(axis_name):

@@ -223,6 +223,8 @@ def test_model_sharded_params_are_counted_per_block():
         compjax.communication(tx, params, num_workers=4, specs=specs)
     with pytest.raises(ValueError, match="data-parallel axis"):
         compjax.communication(tx, params, mesh=mesh, specs={"w": P("data")})
+    with pytest.raises(ValueError, match="'modle', not an axis of mesh"):
+        compjax.communication(tx, params, mesh=mesh, specs={"w": P(None, "modle")})
 
 
 # -- against the loopback ----------------------------------------------------------------------
