@@ -234,12 +234,12 @@ def communication(
         not among ``mesh``'s axes or not the axis ``tx`` reduces over
         (the message names both), or ``specs`` without ``mesh``.
     """
+    if specs is not None and mesh is None:
+        raise ValueError("specs= needs the mesh= they refer to")
     names = _names(axis_name)
     sizes = _axis_sizes(names, num_workers, mesh)
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
     if specs is not None:
-        if mesh is None:
-            raise ValueError("specs= needs the mesh= they refer to")
         shapes = jax.tree.map(
             lambda s, spec: jax.ShapeDtypeStruct(_local_shape(s.shape, spec, mesh, names), s.dtype),
             shapes,

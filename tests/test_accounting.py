@@ -219,8 +219,8 @@ def test_model_sharded_params_are_counted_per_block():
     assert block.payload_bits == 8 + 32 * (16 + 8)
     assert block.bits_per_worker == 1.5 * (8 + 32 * (16 + 8))  # all-reduces over 4 workers
     assert block.dense_bits == 1.5 * 32 * 16 * 8  # this device's block, ring all-reduced
-    with pytest.raises(ValueError, match="mesh"):
-        compjax.communication(tx, params, num_workers=4, specs=specs)
+    with pytest.raises(ValueError, match="specs= needs the mesh="):
+        compjax.communication(tx, params, specs=specs)
     with pytest.raises(ValueError, match="data-parallel axis"):
         compjax.communication(tx, params, mesh=mesh, specs={"w": P("data")})
     with pytest.raises(ValueError, match="'modle', not an axis of mesh"):
