@@ -1,117 +1,287 @@
 """Bits each worker sends per step, counted from the payloads a transformation builds.
 
 The transformation's update is traced abstractly (``jax.eval_shape``, nothing
-runs) under ``jax.vmap`` with the axis name bound, while
-:func:`compjax.collectives.recording` logs the wire bits of every message
-each worker sends: payloads with their scales and indices, integer votes,
-shared scalers, flags.  Each compjax transformation counts one round per
-step even where a wrapper traces it twice; under ``optax.MultiSteps(k)`` a
-round happens every ``k`` steps, so divide by ``k`` for the per-step mean.
+runs) under ``jax.vmap`` with the axis names bound, while
+:func:`compjax.collectives.recording` logs every message each worker puts
+into a collective: payloads with their scales and indices, integer votes,
+shared scalers, flags, each with its wire bits (from the arrays themselves),
+the collective that carries it and the axes it crosses.
+
+**The convention.**  The reported bits are the bits that *leave each worker*
+per step, per collective, under ring algorithms, with ``n`` the number of
+workers along the axes the message crosses and ``M`` its payload:
+
+* all-reduce of ``M`` bits (``psum``, ``pmax``): ``2 (n - 1) / n * M``;
+* all-gather of an ``M``-bit contribution: ``(n - 1) * M``;
+* reduce-scatter of an ``M``-bit input: ``(n - 1) / n * M``;
+* all-to-all of an ``M``-bit message (all its ``n`` blocks): ``(n - 1) / n * M``.
+
+One worker (``n = 1``, or ``axis_name=None``) sends nothing.  The dense
+baseline is the ring all-reduce of the gradient, in its own dtype, over the
+same axes, so :attr:`CommunicationReport.compression_ratio` compares like
+with like.  The payload sizes themselves (what
+:mod:`compjax.costmodel` turns into time per collective) stay available as
+:attr:`CommunicationReport.payloads`.
+
+Each compjax transformation counts one round per step even where a wrapper
+traces it twice; under ``optax.MultiSteps(k)`` a round happens every ``k``
+steps, so divide by ``k`` for the per-step mean.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import math
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import optax
 
+from compjax import collectives
 from compjax.collectives import AxisName, _names, recording
 
 #: Kinds of the messages a hierarchical exchange sends over its fast axis.
 FAST_PREFIX = "fast_"
 
+#: Bits leaving each of ``n`` workers per payload bit, per collective (ring algorithms).
+RING_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+}
+
+
+def ring_bits(via: str, payload_bits: float, n: int) -> float:
+    """Bits one of ``n`` workers sends for an ``payload_bits``-bit message carried by ``via``."""
+    return float(RING_FACTORS[via](n) * payload_bits) if n > 1 else 0.0
+
 
 class CommunicationReport(NamedTuple):
-    """Per-step communication of one worker.
+    """Per-step communication of one worker (see the module docstring for the convention).
 
     Attributes:
-      bits_per_worker: bits one worker sends per step (from the payloads).
-      dense_bits: bits of the same update sent dense, in each gradient leaf's
-        own dtype (16 per entry for a bf16 model, 32 for float32).
-      messages: ``(kind, bits)`` of every message, in order.
+      bits_per_worker: bits leaving one worker per step (ring traffic).
+      dense_bits: the same for a ring all-reduce of the gradient in each
+        leaf's own dtype over the same axes (16 bits per entry for a bf16
+        model, 32 for float32).
+      messages: ``(kind, bits)`` of every message, in order: the bits it
+        puts on the wire (ring traffic).
       routes: ``(kind, via, axes)`` of every message, in the same order:
         ``via`` the collective that carries it (``"all_reduce"``,
         ``"all_gather"``, ``"all_to_all"`` or ``"reduce_scatter"``; a
         ``pmax`` is an all-reduce), ``axes`` the mesh axes it crosses.
+      payloads: ``(kind, bits)`` of every message's payload, what the
+        worker hands the collective (the input of :mod:`compjax.costmodel`).
+      axis_sizes: ``(name, workers)`` of every axis.
     """
 
-    bits_per_worker: int
-    dense_bits: int
-    messages: tuple[tuple[str, int], ...]
+    bits_per_worker: float
+    dense_bits: float
+    messages: tuple[tuple[str, float], ...]
     routes: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
+    payloads: tuple[tuple[str, int], ...] = ()
+    axis_sizes: tuple[tuple[str, int], ...] = ()
 
-    def bits_by_route(self) -> dict[tuple[str, tuple[str, ...]], int]:
-        """Bits per ``(via, axes)``: what is all-reduced and what all-gathered, per axis."""
-        out: dict[tuple[str, tuple[str, ...]], int] = {}
-        for (_, bits), (_, via, axes) in zip(self.messages, self.routes, strict=True):
-            out[via, axes] = out.get((via, axes), 0) + bits
-        return out
+    @property
+    def payload_bits(self) -> int:
+        """Sum of the payloads (each message counted once, whatever it costs on a ring)."""
+        return sum(b for _, b in self.payloads)
+
+    def bits_by_route(self) -> dict[tuple[str, tuple[str, ...]], float]:
+        """Bits leaving a worker per ``(via, axes)``: what each collective costs, per axis."""
+        return _by_route(self.messages, self.routes)
+
+    def payload_bits_by_route(self) -> dict[tuple[str, tuple[str, ...]], int]:
+        """Payload bits per ``(via, axes)`` (the cost model's per-collective input)."""
+        return _by_route(self.payloads, self.routes)
 
     @property
     def compression_ratio(self) -> float:
-        return self.dense_bits / self.bits_per_worker if self.bits_per_worker else float("inf")
+        """``dense_bits / bits_per_worker`` (``inf`` if nothing is sent, ``nan`` for one worker)."""
+        if self.bits_per_worker:
+            return self.dense_bits / self.bits_per_worker
+        return float("inf") if self.dense_bits else float("nan")
 
     @property
-    def fast_bits(self) -> int:
+    def fast_bits(self) -> float:
         """Bits sent over the fast axis of a hierarchical exchange (uncompressed)."""
         return sum(b for kind, b in self.messages if kind.startswith(FAST_PREFIX))
 
     @property
-    def slow_bits(self) -> int:
+    def slow_bits(self) -> float:
         """Bits sent over the other axes (everything but :attr:`fast_bits`)."""
         return self.bits_per_worker - self.fast_bits
+
+
+def _by_route(messages, routes) -> dict:
+    out: dict = {}
+    for (_, bits), (_, via, axes) in zip(messages, routes, strict=True):
+        out[via, axes] = out.get((via, axes), 0) + bits
+    return out
+
+
+def _axis_sizes(names: tuple[str, ...], num_workers, mesh) -> tuple[int, ...]:
+    """Workers along each of ``names``: given, from ``mesh``, or from the bound axes."""
+    if mesh is not None:
+        shape = dict(mesh.shape)
+        for name in names:
+            if name not in shape:
+                raise ValueError(
+                    f"axis_name {name!r} is not an axis of mesh (its axes: {tuple(shape)})"
+                )
+        from_mesh = tuple(shape[a] for a in names)
+    if num_workers is None:
+        if mesh is not None:
+            return from_mesh
+        try:
+            return tuple(int(jax.lax.axis_size(a)) for a in names)
+        except NameError:
+            raise ValueError(
+                f"communication() needs the number of workers along axis_name {names}: pass "
+                f"num_workers= (an int, or one per axis) or mesh=, or call it inside the "
+                f"mapped step where the axes are bound"
+            ) from None
+    sizes = (
+        tuple(num_workers) if isinstance(num_workers, tuple | list) else (num_workers,) * len(names)
+    )
+    if len(sizes) != len(names):
+        raise ValueError(f"num_workers {num_workers!r} must give one size per axis of {names}")
+    if not all(isinstance(s, int | np.integer) and s >= 1 for s in sizes):
+        raise ValueError(f"num_workers must be positive integers, got {num_workers!r}")
+    if mesh is not None and sizes != from_mesh:
+        raise ValueError(f"num_workers {num_workers!r} disagrees with mesh sizes {from_mesh}")
+    return tuple(int(s) for s in sizes)
+
+
+def _bound(name: str) -> bool:
+    try:
+        jax.lax.axis_size(name)
+    except NameError:
+        return False
+    return True
+
+
+def _local_shape(shape: tuple[int, ...], spec, mesh, names: tuple[str, ...]) -> tuple[int, ...]:
+    """The block of a ``shape`` leaf one device holds under ``spec`` (a ``PartitionSpec``)."""
+    out = list(shape)
+    for dim, entry in enumerate(tuple(spec or ())):
+        axes = _names(entry)
+        if set(axes) & set(names):
+            raise ValueError(
+                f"specs: {spec} shards a leaf over the data-parallel axis {axes}; "
+                f"communication() counts leaves sharded over other axes (a model axis) only"
+            )
+        unknown = [a for a in axes if a not in mesh.shape]
+        if unknown:
+            raise ValueError(f"specs: {spec} names {unknown[0]!r}, not an axis of mesh")
+        blocks = math.prod(mesh.shape[a] for a in axes)
+        if out[dim] % blocks:
+            raise ValueError(f"specs: {spec} does not split a leaf of shape {shape} evenly")
+        out[dim] //= blocks
+    return tuple(out)
+
+
+def _traced(step, batched, isolate: bool) -> list:
+    """The rounds ``step`` records while traced; with ``isolate`` in a thread of its own, so
+    that inside a mapped step the simulated axes do not meet the enclosing trace's (JAX's
+    trace state is per thread)."""
+
+    def trace():
+        with recording() as log:
+            jax.eval_shape(step, batched)
+        return log
+
+    if not isolate:
+        return trace()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(trace).result()
 
 
 def communication(
     tx: optax.GradientTransformation,
     params: Any,
     axis_name: AxisName = "data",
-    num_workers: int | tuple[int, ...] = 2,
+    num_workers: int | tuple[int, ...] | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    specs: Any = None,
 ) -> CommunicationReport:
     """The bits one worker sends per step when ``tx`` updates ``params``-shaped gradients.
 
     Args:
       tx: any optax transformation containing compjax transformations
         (chains, wrappers); transformations that send nothing count zero.
-      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``), whole
+        (the local blocks inside ``shard_map``).
       axis_name: the axis name (or tuple of names) ``tx``'s compjax parts
         reduce over; ``None`` for transformations built with ``axis_name=None``.
-      num_workers: workers to simulate along each axis (an int for all of
-        them, or one per name).  Integer sums and the shards of
-        scatter-gather and hierarchical exchanges depend on it.
+      num_workers: workers along each axis (an int for all of them, or one
+        per name).  Without it the sizes come from ``mesh``, or, called
+        inside the mapped step, from the bound axes; otherwise a
+        ``ValueError``.
+      mesh: the device mesh (its sizes for the named axes).
+      specs: the params' ``PartitionSpec`` pytree on a model-sharded
+        ``mesh``: each worker (device) compresses its own block of every
+        leaf, so the messages and the dense baseline are counted per block.
 
     Returns:
       A :class:`CommunicationReport`.
+
+    Raises:
+      ValueError: the number of workers cannot be known, ``axis_name`` is
+        not among ``mesh``'s axes or not the axis ``tx`` reduces over
+        (the message names both), or ``specs`` without ``mesh``.
     """
+    if specs is not None and mesh is None:
+        raise ValueError("specs= needs the mesh= they refer to")
+    names = _names(axis_name)
+    sizes = _axis_sizes(names, num_workers, mesh)
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
+    if specs is not None:
+        shapes = jax.tree.map(
+            lambda s, spec: jax.ShapeDtypeStruct(_local_shape(s.shape, spec, mesh, names), s.dtype),
+            shapes,
+            specs,
+        )
 
     def step(p):
         return tx.update(p, tx.init(p), p)
 
-    names = _names(axis_name)
-    sizes = tuple(num_workers) if isinstance(num_workers, tuple) else (num_workers,) * len(names)
-    if len(sizes) != len(names):
-        raise ValueError(f"num_workers {num_workers!r} must give one size per axis of {names}")
     batched = jax.tree.map(lambda s: jax.ShapeDtypeStruct((*sizes, *s.shape), s.dtype), shapes)
     for name in reversed(names):
         step = jax.vmap(step, axis_name=name)
-    with recording() as log:
-        jax.eval_shape(step, batched)
-    messages, routes, seen = [], [], set()
+    try:
+        log = _traced(step, batched, isolate=any(map(_bound, names)))
+    except collectives.UnboundAxisError as err:
+        if err.axis in names:
+            raise
+        raise ValueError(
+            f"communication(axis_name={axis_name!r}): the transformation reduces over axis "
+            f"{err.axis!r}, which is not among {names}; pass the axis the transformation was "
+            f"built with"
+        ) from err
+    payloads, routes, seen = [], [], set()
     for owner, sent in log:
         if owner is not None and owner in seen:
             continue  # the same transformation traced again (e.g. by MultiSteps)
         seen.add(owner)
-        messages.extend(sent)
+        payloads.extend(sent)
         routes.extend(sent.routes)
-    dense = sum(
-        8 * np.dtype(s.dtype).itemsize * int(np.prod(s.shape)) for s in jax.tree.leaves(shapes)
+    size_of = dict(zip(names, sizes, strict=True))
+    messages = tuple(
+        (kind, ring_bits(via, bits, math.prod(size_of[a] for a in axes)))
+        for (kind, bits), (_, via, axes) in zip(payloads, routes, strict=True)
+    )
+    gradient = sum(
+        8 * np.dtype(s.dtype).itemsize * math.prod(s.shape) for s in jax.tree.leaves(shapes)
     )
     return CommunicationReport(
         bits_per_worker=sum(b for _, b in messages),
-        dense_bits=dense,
-        messages=tuple(messages),
+        dense_bits=ring_bits("all_reduce", gradient, math.prod(sizes)),
+        messages=messages,
         routes=tuple(routes),
+        payloads=tuple(payloads),
+        axis_sizes=tuple(size_of.items()),
     )

@@ -68,8 +68,10 @@ class Advice:
 
     Attributes:
       method: its name.
-      bits_per_worker: bits one worker sends per step (``communication()``).
-      routes: ``{(collective, axes): bits}`` (``bits_by_route()``).
+      bits_per_worker: bits that leave one worker per step (``communication()``'s
+        ring traffic).
+      routes: ``{(collective, axes): payload bits}`` (``payload_bits_by_route()``:
+        the message sizes the cost model turns into time, not the traffic).
       codec_s: the measured codec time per worker and step (over dense's).
       comm_s: the messages' time on the network.
       step_s: ``compute + codec + comm``.
@@ -102,8 +104,9 @@ def as_params(params: Any) -> Any:
 
 
 def messages(report: compjax.CommunicationReport) -> list[tuple[str, float]]:
-    """``(collective, bits per worker)`` of a report, in the cost model's names."""
-    return [(COLLECTIVES[via], float(b)) for (via, _), b in report.bits_by_route().items()]
+    """``(collective, payload bits per worker)`` of a report, in the cost model's names
+    (the payloads: the cost model applies each collective's ring factor itself)."""
+    return [(COLLECTIVES[via], float(b)) for (via, _), b in report.payload_bits_by_route().items()]
 
 
 def time_update(tx: optax.GradientTransformation, params: Any, workers: int, repeats: int):
@@ -195,7 +198,7 @@ def advise(
             Advice(
                 method=name,
                 bits_per_worker=report.bits_per_worker,
-                routes=report.bits_by_route(),
+                routes=report.payload_bits_by_route(),
                 codec_s=codec,
                 comm_s=comm,
                 step_s=compute_s + codec + comm,

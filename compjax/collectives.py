@@ -135,22 +135,31 @@ def _names(axis_name: AxisName) -> tuple[str, ...]:
     return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
+class UnboundAxisError(ValueError):
+    """An axis name that is not bound where a collective runs (``axis`` names it)."""
+
+    def __init__(self, message: str, axis: str):
+        super().__init__(message)
+        self.axis = axis
+
+
 def num_workers(axis_name: AxisName) -> int:
     """Number of workers along ``axis_name`` (1 for ``None``).
 
     Raises:
-      ValueError: the axis name is not bound here (not inside ``pmap``,
-        ``shard_map`` or ``vmap`` with that name).
+      UnboundAxisError: (a ``ValueError``) the axis name is not bound here
+        (not inside ``pmap``, ``shard_map`` or ``vmap`` with that name).
     """
     size = 1
     for name in _names(axis_name):
         try:
             size *= jax.lax.axis_size(name)
         except NameError as err:
-            raise ValueError(
+            raise UnboundAxisError(
                 f"axis_name {name!r} is not bound: call the update inside jax.pmap, "
                 f"jax.shard_map or jax.vmap over an axis named {name!r} "
-                f"(or pass axis_name=None for a single worker)"
+                f"(or pass axis_name=None for a single worker)",
+                name,
             ) from err
     return size
 

@@ -209,8 +209,9 @@ def build(method: BenchMethod, cfg: LMConfig, host_params, mesh, batches) -> tup
         payload_bits = method.bits_per_entry * entries if method.bits_per_entry else None
     info = {
         "compile_s": time.perf_counter() - start,
-        "library_messages": [[kind, bits, gathered(kind)] for kind, bits in report.messages],
-        "library_bits": report.bits_per_worker,
+        # Payload sizes: bench_net_report applies the ring factors (costmodel.wire_bits).
+        "library_messages": [[kind, bits, gathered(kind)] for kind, bits in report.payloads],
+        "library_bits": report.payload_bits,
         "payload_bits": payload_bits,
         "hlo_collectives": hlo_collectives(compiled.as_text(), n),
     }

@@ -22,9 +22,12 @@ A run writes ``results/<task>/<method>-w<workers>-s<seed>-<hash>/``:
   training examples left out so that every worker's shard has the same size
   (``len(train) % workers`` of them; a warning names them too);
 * ``metrics.jsonl`` and ``metrics.csv``: one row per step with the workers'
-  mean minibatch ``loss`` and ``accuracy``, ``bits`` sent per worker (from
-  the payloads; real bits for variance-based and Strom's methods),
-  ``cum_bits``, the alpha-beta model's ``comm_s`` and ``cum_comm_s``; every
+  mean minibatch ``loss`` and ``accuracy``, ``bits``: the size of the
+  messages a worker hands its collectives (the payloads, as
+  ``compjax.communication()``'s ``payload_bits``, not its ring traffic
+  ``bits_per_worker``; real bits for variance-based and Strom's methods),
+  ``cum_bits``, the alpha-beta model's ``comm_s`` and ``cum_comm_s`` (which
+  applies each collective's ring factor to those sizes); every
   ``eval_every`` steps (and at step 0) also the full training ``objective``
   (loss plus the L2 term), ``train_accuracy``, ``test_loss``,
   ``test_accuracy`` and, on the convex tasks, ``dist_to_opt`` =

@@ -148,6 +148,9 @@ def trainer(tx: optax.GradientTransformation, loss: Callable, steps: int) -> Cal
 def train(name: str, lr: float, seeds: tuple[int, ...], steps: int) -> list[tuple]:
     """``(losses per step, test accuracy, bits per step per worker)`` per seed.
 
+    The bits are ``communication()``'s: what leaves a worker per step on a ring
+    (an all-gathered message ``n - 1`` times, an all-reduced one ``2 (n - 1) / n``).
+
     One compiled program per method (the seeds differ in values only).
     """
     tx = optimizer(name, lr)
@@ -249,7 +252,7 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
     png = out_dir / f"{NAME}.png"
     draw(results, bits, png)
     rows = "\n".join(
-        f"| {n} | {LEARNING_RATES[n]:g} | {bits[n]:,} | {dense / bits[n]:.1f}x | "
+        f"| {n} | {LEARNING_RATES[n]:g} | {bits[n]:,.0f} | {dense / bits[n]:.1f}x | "
         f"{final[n]:.3f} ({', '.join(f'{v:.3f}' for v in per_seed[n])}) | {acc[n]:.3f} |"
         for n in results
     )

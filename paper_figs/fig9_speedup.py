@@ -133,9 +133,11 @@ def resnet50_shapes() -> dict:
 
 
 def message_bits(spec: str, shapes, workers: int) -> tuple[int, int]:
-    """``(all-reduced, all-gathered)`` bits one worker sends per step with method ``spec``.
+    """``(all-reduced, all-gathered)`` payload bits of one worker's messages per step.
 
-    Counted by ``compjax.communication`` once per distinct leaf shape (the
+    These are message sizes (``communication()``'s ``payloads``), the cost
+    model's input: it applies each collective's ring factor itself.  Counted
+    by ``compjax.communication`` once per distinct leaf shape (the
     transformations work leaf by leaf) and multiplied by the number of leaves of
     that shape; the per-step non-finite flag is counted once.  Equal to
     ``communication`` on the whole tree (tested), several times faster to trace.
@@ -148,7 +150,7 @@ def message_bits(spec: str, shapes, workers: int) -> tuple[int, int]:
     reduced = gathered = flag = 0
     for (shape, dtype), count in counts.items():
         report = compjax.communication(tx, jax.ShapeDtypeStruct(shape, dtype), "data", workers)
-        for kind, bits in report.messages:
+        for kind, bits in report.payloads:
             if kind == "flag":
                 flag = max(flag, bits)
             elif method.gathered(kind):

@@ -32,7 +32,8 @@ def test_steps_are_compute_plus_codec_plus_the_cost_models_time():
     assert list(by)[:2] == ["dense fp32", "bf16 cast"]
     network = costmodel.Network(bandwidth_gbps=1.0, latency_us=5.0)
     dense = by["dense fp32"]
-    assert dense.bits_per_worker == 32 * d + 8  # the gradient and the non-finite flag
+    # the gradient and the non-finite flag, ring all-reduced: 2 (n - 1) / n of each leaves
+    assert dense.bits_per_worker == 2 * (n - 1) / n * (32 * d + 8)
     assert dense.comm_s == pytest.approx(network.allreduce(32 * d + 8, n))
     assert dense.step_s == pytest.approx(compute + dense.comm_s) and dense.speedup_fp32 == 1
     assert by["bf16 cast"].speedup_bf16 == 1
@@ -42,6 +43,9 @@ def test_steps_are_compute_plus_codec_plus_the_cost_models_time():
     qsgd = by["QSGD 4-bit"]
     assert {via for via, _ in qsgd.routes} == {"all_reduce", "all_to_all", "all_gather"}
     assert qsgd.comm_s == pytest.approx(network.exchange(_cost_messages(qsgd), n))
+    for a in got:  # the routes are payloads: the cost model's ring factors give the traffic
+        traffic = sum(costmodel.wire_bits(c, b, n) for c, b in _cost_messages(a))
+        assert traffic == pytest.approx(a.bits_per_worker, rel=1e-12)
 
 
 def _cost_messages(a):

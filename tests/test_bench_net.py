@@ -117,7 +117,7 @@ def test_bf16_baseline_is_the_mean_with_bf16_on_the_wire(n):
     params = jax.tree.map(lambda x: x[0], tree)
     report = compjax.communication(tx, params, "data", num_workers=n)
     m = -(-19 // n)
-    assert report.messages == (("scatter", 16 * n * m), ("gather", 16 * m))
+    assert report.payloads == (("scatter", 16 * n * m), ("gather", 16 * m))
 
 
 def test_language_model_counts_and_data():

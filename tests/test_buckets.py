@@ -40,7 +40,7 @@ def test_one_message_per_bucket(exchange):
     assert len(kinds) == 3 * per_bucket
     if exchange == "all_gather":
         expected = sum(compjax.qsgd(4).bits((b,)) for b in (16, 16, 9))
-        assert report.bits_per_worker - 8 == expected
+        assert report.payload_bits - 8 == expected
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])

@@ -297,8 +297,8 @@ def test_bits_dad_rank_dad_plain_and_powersgd():
         32 * dad.factor_rank(lay, rank) * (lay.in_features + 1 + lay.out_features) for lay in layers
     )
     assert bits["rank_dad"] == expected + 32 * len(layers)  # one int32 rank per layer
-    psgd = compjax.communication(compjax.powersgd(rank, "data"), params, "data")
-    assert bits["powersgd"] == psgd.bits_per_worker
+    psgd = compjax.communication(compjax.powersgd(rank, "data"), params, "data", 2)
+    assert bits["powersgd"] == psgd.payload_bits
     assert bits["rank_dad"] < bits["dad"] < bits["plain"]
 
 

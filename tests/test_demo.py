@@ -195,12 +195,13 @@ def test_bits_recorded_are_the_payload():
     }
     report = compjax.communication(compjax.scale_by_demo("data"), params, "data", 4)
     want = 8 + 6 * 32 * (16 + 32) + 15 * (8 + 32) + 2 * 32 * (8 + 16)  # the flag, then payloads
-    assert report.bits_per_worker == want
+    assert report.payload_bits == want
+    assert report.bits_per_worker == 8 * 2 * 3 / 4 + 3 * (want - 8)  # ring all-reduce, all-gather
     assert [kind for kind, _ in report.messages] == ["flag", "payload", "payload", "payload"]
     assert {via for _, via, _ in report.routes[1:]} == {"all_gather"}
     tx = compjax.scale_by_demo(None)
-    payload_bits = report.bits_per_worker - 8
-    assert compjax.communication(tx, params, None).bits_per_worker == payload_bits + 8
+    payload_bits = report.payload_bits - 8
+    assert compjax.communication(tx, params, None).payload_bits == payload_bits + 8
 
 
 def test_zero_gradients_give_zero_updates_and_keep_delta_zero():

@@ -360,14 +360,14 @@ def test_communication_reports_the_steady_state_payload():
     params = {"w": jnp.ones((64, 64)), "b": jnp.ones(64)}  # 4096 sparse, 64 dense
     flag, dense = 8, 64 * 32
     k, cap = 41, 53  # ceil(0.01 * 4096), floor(1.3 * 41)
-    exact = compjax.communication(dgc("data", 0.01, sampled_threshold=False), params)
+    exact = compjax.communication(dgc("data", 0.01, sampled_threshold=False), params, "data", 2)
     assert exact.bits_per_worker == flag + dense + k * 64
     assert exact.messages == (("flag", 8), ("dense", dense), ("payload", k * 64))
     for kwargs in ({}, {"warmup_steps_per_phase": 100}):
-        report = compjax.communication(dgc("data", 0.01, **kwargs), params)
+        report = compjax.communication(dgc("data", 0.01, **kwargs), params, "data", 2)
         assert report.bits_per_worker == flag + dense + cap * 64
     half = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
-    report = compjax.communication(dgc("data", 0.01, sampled_threshold=False), half)
+    report = compjax.communication(dgc("data", 0.01, sampled_threshold=False), half, "data", 2)
     assert report.bits_per_worker == flag + 64 * 16 + k * (32 + 16)
 
 
@@ -499,17 +499,23 @@ def test_communication_of_the_compressed_all_reduce():
     flag, dense, shard = 8, 64 * 32, 20 * 64  # round(0.01 * 2048) entries of 32 + 32 bits
     for kwargs in ({}, {"warmup_steps_per_phase": 100}):
         report = compjax.communication(
-            dgc("data", 0.01, exchange="scatter_gather", **kwargs), params
+            dgc("data", 0.01, exchange="scatter_gather", **kwargs), params, "data", 2
         )
-        assert report.messages == (
+        assert report.payloads == (
             ("flag", 8),
             ("dense", dense),
             ("scatter", 2 * shard),
             ("gather", shard),
         )
-        assert report.bits_per_worker == flag + dense + 3 * shard
+        assert report.payload_bits == flag + dense + 3 * shard
+        assert report.bits_per_worker == flag + dense + shard + shard  # half the scatter leaves
     tx = dgc(("hosts", "local"), 0.01, exchange=compjax.hierarchical("local"))
-    report = compjax.communication(tx, params, ("hosts", "local"))
+    report = compjax.communication(tx, params, ("hosts", "local"), num_workers=2)
     kinds = [kind for kind, _ in report.messages]
     assert kinds == ["flag", "dense", "fast_reduce_scatter", "scatter", "gather", "fast_all_gather"]
-    assert report.slow_bits == flag + dense + 2 * shard // 2 + shard // 2
+    assert report.payload_bits - sum(b for k, b in report.payloads if k.startswith("fast_")) == (
+        flag + dense + 2 * shard // 2 + shard // 2
+    )
+    # ring traffic: the flag and the dense leaf all-reduced over all 4 workers (2 * 3/4),
+    # half the scatter leaves over the 2 hosts, the gathered shard goes to the other host
+    assert report.slow_bits == 1.5 * (flag + dense) + shard // 2 + shard // 2

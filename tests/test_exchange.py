@@ -259,13 +259,16 @@ def test_bits_are_counted_per_axis():
     report = compjax.communication(tx, jnp.zeros(D), AXES, MESH_SHAPE)
     fast_shard = -(-D // 4)  # 10 entries per local worker, 40 padded
     slow_shard = -(-fast_shard // 2)  # 5 entries per host
-    kinds = dict(report.messages)
+    kinds = dict(report.payloads)
     assert kinds["fast_reduce_scatter"] == 32 * 4 * fast_shard
     assert kinds["fast_all_gather"] == 32 * fast_shard
-    assert report.fast_bits == 32 * 5 * fast_shard
     assert kinds["scatter"] == 2 * QSGD.bits((slow_shard,))
     assert kinds["gather"] == QSGD.bits((slow_shard,))
-    assert report.slow_bits == kinds["scatter"] + kinds["gather"] + kinds["flag"]
+    # ring traffic: 3/4 of the reduce-scatter's input and 3 gathered shards on the fast
+    # axis (4 workers); half the scatter and one gathered shard on the slow one (2 hosts)
+    assert report.fast_bits == 3 / 4 * 32 * 4 * fast_shard + 3 * 32 * fast_shard
+    flag = 2 * 7 / 8 * 8  # an all-reduce over all 8 workers
+    assert report.slow_bits == kinds["scatter"] / 2 + kinds["gather"] + flag
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -274,9 +277,13 @@ def test_scatter_gather_sends_one_message_in_shards_and_one_shard(n):
     report = compjax.communication(
         compjax.compress(QSGD, "data", exchange="scatter_gather"), jnp.zeros(d), "data", n
     )
-    kinds = dict(report.messages)
+    kinds = dict(report.payloads)
     assert kinds["scatter"] == n * QSGD.bits((d // n,))
     assert kinds["gather"] == QSGD.bits((d // n,))
+    # what leaves a worker: all but its own shard, then its shard to n - 1 others
+    sent = dict(report.messages)
+    assert sent["scatter"] == (n - 1) * QSGD.bits((d // n,))
+    assert sent["gather"] == (n - 1) * QSGD.bits((d // n,))
 
 
 @pytest.mark.parametrize("name", list(EXCHANGES))

@@ -197,9 +197,9 @@ def test_an_interrupted_run_resumes_to_the_same_numbers(tmp_path):
     assert resumed.records == whole.records
     assert train.load(resumed.path).records == whole.records  # the finished run reads back
     bits = compjax.communication(
-        methods.parse(cfg.method).build("data"), train.Problem(cfg.resolved()).params
+        methods.parse(cfg.method).build("data"), train.Problem(cfg.resolved()).params, "data", 4
     )
-    assert whole.records[-1]["cum_bits"] == 20 * bits.bits_per_worker
+    assert whole.records[-1]["cum_bits"] == 20 * bits.payload_bits  # the harness logs payloads
 
 
 def test_cli_with_a_config_file_writes_every_output(tmp_path, capsys):

@@ -37,8 +37,8 @@ def test_bits_per_shape_equal_the_whole_tree(spec):
     }
     method = methods.parse(spec)
     report = compjax.communication(method.build("data"), tree, "data", 8)
-    gathered = sum(b for k, b in report.messages if method.gathered(k))
-    assert fig.message_bits(spec, tree, 8) == (report.bits_per_worker - gathered, gathered)
+    gathered = sum(b for k, b in report.payloads if method.gathered(k))
+    assert fig.message_bits(spec, tree, 8) == (report.payload_bits - gathered, gathered)
 
 
 def test_crossing_bandwidth_is_where_speedup_is_one():

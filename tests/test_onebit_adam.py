@@ -408,12 +408,12 @@ def test_communication_counts_the_compressed_phase():
     for d in (300, 5):
         shard = -(-d // n)
         expected += n * (signs(shard) + 32) + signs(shard) + 32  # all_to_all, then all_gather
-    assert report.bits_per_worker == expected
-    assert report.dense_bits == 32 * 305  # what each warm-up step all-reduces
+    assert report.payload_bits == expected
+    assert report.dense_bits == 2 * (n - 1) / n * 32 * 305  # a warm-up step's ring all-reduce
     gathered = compjax.communication(
         compjax.scale_by_onebit_adam("data", 10, exchange="all_gather"), params, "data", n
     )
-    assert gathered.bits_per_worker == 8 + signs(300) + 32 + signs(5) + 32
+    assert gathered.payload_bits == 8 + signs(300) + 32 + signs(5) + 32
 
 
 def test_bad_arguments_are_refused():

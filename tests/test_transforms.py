@@ -283,7 +283,7 @@ def test_sign_vote_scatter_gather_is_the_all_gather_vote(n):
         num_workers=n,
     )
     scatter, gather = n * -(-m // 8) * 8, -(-m * width // 8) * 8
-    assert report.messages == (("flag", 8), ("scatter", scatter), ("gather", gather))
+    assert report.payloads == (("flag", 8), ("scatter", scatter), ("gather", gather))
 
 
 @partial(jax.jit, static_argnums=0)
@@ -316,7 +316,7 @@ def test_communication_is_counted_from_payloads():
     params = {"w": jnp.ones((64, 32)), "b": jnp.ones(32)}
     sizes = [32, 64 * 32]  # leaf order: b, w
     qsgd = compjax.qsgd(4)
-    report = compjax.communication(compjax.diana(qsgd, "data"), params)
+    report = compjax.communication(compjax.diana(qsgd, "data"), params, "data", 2)
     assert report.dense_bits == 32 * sum(sizes)
     flag = 8  # the non-finite flag
     assert report.bits_per_worker == sum(qsgd.bits((d,)) for d in sizes) + flag
@@ -324,12 +324,13 @@ def test_communication_is_counted_from_payloads():
     wrapped = optax.MultiSteps(
         optax.chain(compjax.compress(qsgd, "data"), optax.adam(0.1)), every_k_schedule=2
     )
-    assert compjax.communication(wrapped, params).bits_per_worker == report.bits_per_worker
-    vote = compjax.communication(compjax.sign_majority_vote("data"), params)
+    wrapped_report = compjax.communication(wrapped, params, "data", 2)
+    assert wrapped_report.bits_per_worker == report.bits_per_worker
+    vote = compjax.communication(compjax.sign_majority_vote("data"), params, "data", 2)
     assert vote.bits_per_worker == sum(sizes) + flag
-    tern = compjax.communication(compjax.terngrad_allreduce("data"), params)
+    tern = compjax.communication(compjax.terngrad_allreduce("data"), params, "data", 2)
     assert tern.bits_per_worker == sum(8 * d + 32 for d in sizes) + flag
-    assert compjax.communication(optax.adam(0.1), params).bits_per_worker == 0
+    assert compjax.communication(optax.adam(0.1), params, "data", 2).bits_per_worker == 0
 
 
 def _shard_map_sgd_step(tx, local):

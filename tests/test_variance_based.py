@@ -373,7 +373,7 @@ def test_flatten_sends_one_message_and_loses_nothing():
     tx = variance_based("data", ALPHA, ZETA, budget=0.5, flatten=True)
     grads = [example_grads(t) for t in range(3)]
     outs, states = run_steps(tx, grads)
-    report = compjax.communication(with_batch_axis(tx), PARAMS, "data")
+    report = compjax.communication(with_batch_axis(tx), PARAMS, "data", 2)
     k = slots(0.5, 18)
     assert report.messages == (("flag", 8), ("payload", 32 * k + 8 * math.ceil(k / 2) + 32))
     flat = states[-1].r[:, 0].mean(0)  # the flattened residual: b then w
@@ -393,12 +393,12 @@ def with_batch_axis(tx):
 
 
 def test_padded_bits_are_counted_from_the_payloads():
-    report = compjax.communication(with_batch_axis(VB), PARAMS, "data")
+    report = compjax.communication(with_batch_axis(VB), PARAMS, "data", 2)
     expected = [
         ("payload", 32 * k + 8 * math.ceil(k / 2) + 32) for k in (slots(0.5, 3), slots(0.5, 15))
     ]
     assert report.messages == (("flag", 8), *expected)  # leaves in order b, w
-    report = compjax.communication(STROM, PARAMS, "data")
+    report = compjax.communication(STROM, PARAMS, "data", 2)
     expected = [("payload", 32 * k + 8 * math.ceil(k / 8)) for k in (2, 8)]
     assert report.messages == (("flag", 8), *expected)
 

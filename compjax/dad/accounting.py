@@ -48,10 +48,12 @@ def dad_communication(
     dAD and rank-dAD are traced abstractly (``jax.eval_shape`` under
     ``jax.vmap``, nothing runs) and their recorded messages added up, as
     :func:`compjax.communication` does for transformations; PowerSGD is
-    :func:`compjax.communication` of :func:`compjax.powersgd` at the same rank
-    (with its 8-bit non-finite flag).  As everywhere in compjax these are the
-    bits of the messages a site sends; dAD and rank-dAD all-gather them (each
-    site receives ``n - 1`` messages), while plain and PowerSGD all-reduce.
+    :func:`compjax.communication`'s ``payload_bits`` of :func:`compjax.powersgd`
+    at the same rank (with its 8-bit non-finite flag).  These are the sizes
+    of the messages a site hands its collectives, not the ring traffic of
+    ``communication().bits_per_worker``: dAD and rank-dAD all-gather them
+    (each site sends ``(n - 1)`` times its message), while plain and
+    PowerSGD all-reduce (``2 (n - 1) / n`` times).
 
     Args:
       loss_fn: ``loss_fn(params, batch) -> loss`` as in
@@ -84,5 +86,7 @@ def dad_communication(
         "plain": plain,
         "dad": _traced_bits(dad, params, batch, axis_name, workers),
         "rank_dad": _traced_bits(rank_dad, params, batch, axis_name, workers),
-        "powersgd": communication(powersgd(rank, axis_name), params, axis_name).bits_per_worker,
+        "powersgd": communication(
+            powersgd(rank, axis_name), params, axis_name, workers
+        ).payload_bits,
     }
