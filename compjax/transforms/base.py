@@ -74,6 +74,17 @@ def init_key(seed: int) -> jax.Array:
 NNX_SPEC = "compjax_spec"
 
 
+def _axis_names(axis_name) -> tuple[str, ...]:
+    if axis_name is None:
+        return ()
+    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def spec_axes(spec: Any) -> tuple[str, ...]:
+    """The mesh axes a ``PartitionSpec`` (or ``None``) splits over, in order."""
+    return tuple(a for entry in tuple(spec or ()) for a in _axis_names(entry))
+
+
 def is_marked(node: Any) -> bool:
     return isinstance(node, tuple) and hasattr(type(node), "PER_WORKER")
 
@@ -95,7 +106,13 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
     other mesh axes, e.g. ``{"w": P(None, "model")}``), every state field
     laid out like the params follows them: a per-worker field gets
     ``P(axis_name, *spec)`` (the worker axis, then the parameter's own
-    sharding), a shared one the parameter's ``spec``.
+    sharding), a shared one the parameter's ``spec``.  Every other per-worker
+    field (a bit counter) differs on each device holding a block, so its
+    leading axis is split over the data axes and the params' other axes
+    together, ``P((axis_name, "model"))``; fields a state lists in
+    ``PER_LEAF`` (one entry per leaf, computed from its block, as PowerSGD's
+    ``Q``) are split over that leaf's other axes.  ``flatten=True`` and
+    ``bucket_size=`` refuse params split over other axes (in ``init``).
 
     Args:
       state: the state, or its shapes (``jax.eval_shape(opt.init, params)``).
@@ -116,13 +133,33 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
     replicated = jax.P()
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     layout = None if param_specs is None else jax.tree.structure(param_specs, is_leaf=is_spec)
+    leaf_specs = [] if param_specs is None else jax.tree.leaves(param_specs, is_leaf=is_spec)
+    data_axes = set(_axis_names(axis_name))
+    leaf_axes = [tuple(a for a in spec_axes(s) if a not in data_axes) for s in leaf_specs]
+    # The other mesh axes any parameter is split over: a per-worker field that is not laid out
+    # like the params (a bit counter, a flattened memory) differs on each of their blocks too.
+    model_axes = tuple(dict.fromkeys(a for axes in leaf_axes for a in axes))
+    per_block = jax.P((*_axis_names(axis_name), *model_axes)) if model_axes else split
 
     def field_specs(value, per_worker: bool):
         if layout is not None and jax.tree.structure(value) == layout:
-            leaves = jax.tree.leaves(param_specs, is_leaf=is_spec)
-            specs = [jax.P(axis_name, *s) if per_worker else s for s in leaves]
+            specs = [jax.P(axis_name, *s) if per_worker else s for s in leaf_specs]
             return jax.tree.unflatten(layout, specs)
-        return jax.tree.map(lambda _: split if per_worker else replicated, value)
+        return jax.tree.map(lambda _: per_block if per_worker else replicated, value)
+
+    def per_leaf_specs(value):
+        """A tuple in leaf order of values computed from each leaf's block (PowerSGD's ``Q``)."""
+        if not leaf_axes:
+            return jax.tree.map(lambda _: replicated, value)
+        if len(value) != len(leaf_axes):
+            raise ValueError(
+                f"state_specs: param_specs has {len(leaf_axes)} leaves where the state was "
+                f"built for {len(value)}: give the specs of the params the state was built for"
+            )
+        return tuple(
+            jax.tree.map(lambda _, axes=axes: jax.P(axes) if axes else replicated, v)
+            for v, axes in zip(value, leaf_axes, strict=True)
+        )
 
     def per_worker_grads(leaf):
         if not np.shape(leaf):
@@ -160,8 +197,9 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
                 skip_state=jax.tree.map(lambda _: replicated, node.skip_state),
             )
         if is_marked(node):
+            per_leaf = getattr(node, "PER_LEAF", ())
             fields = [
-                field_specs(v, f in node.PER_WORKER)
+                per_leaf_specs(v) if f in per_leaf else field_specs(v, f in node.PER_WORKER)
                 for f, v in zip(node._fields, node, strict=True)
             ]
             return type(node)(*fields)
@@ -189,6 +227,8 @@ class Leaves:
     def __init__(self, tree: Any, flatten: bool, bucket_size: int | None = None):
         self.flatten = flatten
         self.bucketed = bucket_size is not None
+        if flatten or self.bucketed:
+            _refuse_sharded("bucket_size" if self.bucketed else "flatten", tree)
         if self.bucketed:
             self._buckets = Buckets(tree, bucket_size)
             self.arrays = self._buckets.cut(tree)
@@ -255,6 +295,25 @@ class Leaves:
 
     def write(self, arrays: Sequence[jax.Array], per_worker: bool) -> Any:
         return self._pack([a[None] for a in arrays] if per_worker else list(arrays))
+
+
+def _refuse_sharded(option: str, tree: Any) -> None:
+    """Refuse to flatten leaves that are split over mesh axes (explicit sharding).
+
+    Flattening mixes the blocks of a parameter split over a model axis into one vector
+    whose length and buckets differ between the global array and each device's block.
+    """
+    for leaf in jax.tree.leaves(tree):
+        try:
+            axes = spec_axes(jax.typeof(leaf).sharding.spec)
+        except (AttributeError, TypeError):
+            continue
+        if axes:
+            raise ValueError(
+                f"{option}: a parameter of shape {np.shape(leaf)} is split over mesh axis "
+                f"{axes[0]!r}, and flattening would mix its blocks; on model-sharded params "
+                f"compress leaf by leaf (leave {option} unset)"
+            )
 
 
 def check_grouping(flatten: bool, bucket_size: int | None) -> None:

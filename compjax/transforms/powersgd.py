@@ -45,6 +45,9 @@ class PowerSGDState(NamedTuple):
     error: Any
     q: tuple
     PER_WORKER = ("error",)
+    # Each Q is computed from its leaf's block: on params split over a model axis it differs
+    # between the blocks (``state_specs`` splits it over the leaf's other axes).
+    PER_LEAF = ("q",)
 
 
 def matrix_view(shape, channels_last: bool = True) -> tuple[int, int]:
