@@ -68,6 +68,8 @@ SAMPLE_ENTRIES = 2**22
 #: The timed gradients and states cycle through copies of at least this many bytes together
 #: (twice a 32 MiB last-level cache), at most ``MAX_COPIES``.
 COLD_BYTES, MAX_COPIES = 2**26, 8
+#: The timer's clocks: wall time, or the process's CPU time (a CPU backend on a shared machine).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformation]]:
@@ -188,6 +190,7 @@ def time_updates(
     params: Any,
     repeats: int,
     sample_entries: int = SAMPLE_ENTRIES,
+    clock: str = "wall",
 ) -> dict[str, np.ndarray]:
     """Seconds of one worker's jitted update of ``params``-shaped gradients, per round.
 
@@ -200,9 +203,15 @@ def time_updates(
     in the cache (a 4M-entry sample timed on one copy ran at a third of
     the time per entry of the whole 25.6M-entry gradient on a 32 MiB-L3 CPU).
 
+    ``clock="process"`` times by the process's CPU time (all its threads)
+    instead of the wall clock: steadier on a machine other jobs share, but
+    only for a CPU backend, and above the wall time where XLA runs an
+    operation on several cores.
+
     Returns:
       ``{name: seconds of each round}``, the rounds in order.
     """
+    now = CLOCKS[clock]
     tree, factor = sample_tree(params, sample_entries)
     size = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in tree.values())
     copies = min(MAX_COPIES, max(1, math.ceil(COLD_BYTES / max(size, 1))))
@@ -227,9 +236,9 @@ def time_updates(
         for name in names[r % len(names) :] + names[: r % len(names)]:
             call = calls[name][count % copies]
             count += 1
-            start = time.perf_counter()
+            start = now()
             jax.block_until_ready(call())
-            totals[name][r] = factor * (time.perf_counter() - start)
+            totals[name][r] = factor * (now() - start)
     return totals
 
 
@@ -282,6 +291,7 @@ def advise(
     shared: bool = False,
     repeats: int = 7,
     sample_entries: int = SAMPLE_ENTRIES,
+    clock: str = "wall",
     timer: Callable[..., Mapping[str, Sequence[float]]] = time_updates,
 ) -> list[Advice]:
     """Predicted step time, speedup and crossover bandwidth of every method of :func:`methods`.
@@ -296,8 +306,9 @@ def advise(
       shared: one medium all workers' bits cross (``costmodel.SharedMedium``).
       repeats: timing rounds (medians and ranges over them).
       sample_entries: the most entries of each leaf of the timed sample (:func:`sample_tree`).
-      timer: ``timer(txs, params, repeats, sample_entries)``: ``{name: seconds
-        per round}`` of one worker's update (:func:`time_updates`).
+      clock: ``"wall"`` or ``"process"`` (CPU time; see :func:`time_updates`).
+      timer: ``timer(txs, params, repeats, sample_entries, clock)``: ``{name:
+        seconds per round}`` of one worker's update (:func:`time_updates`).
 
     Returns:
       One :class:`Advice` per method, dense float32 first.
@@ -315,13 +326,16 @@ def advise(
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if exchange not in ("scatter_gather", "all_gather"):
         raise ValueError(f"exchange must be 'scatter_gather' or 'all_gather', got {exchange!r}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     params = as_params(params)
     kind = costmodel.SharedMedium if shared else costmodel.Network
     network = kind(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
     concrete = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
     txs = {name: build() for name, build in methods(exchange).items()}
     rounds = {
-        k: np.asarray(v, float) for k, v in timer(txs, concrete, repeats, sample_entries).items()
+        k: np.asarray(v, float)
+        for k, v in timer(txs, concrete, repeats, sample_entries, clock).items()
     }
     base = compute_s + float(np.median(rounds[DENSE]))  # dense's update is in every step
     reports = {
@@ -465,6 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         choices=("scatter_gather", "all_gather"))  # fmt: skip
     parser.add_argument("--shared", action="store_true", help="one medium shared by all workers")
     parser.add_argument("--repeats", type=_flag(int, 1), default=7, help="timing rounds (7)")
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                        help="time by the wall clock, or the process's CPU time (steadier on "
+                        "a shared machine, CPU backends only)")  # fmt: skip
     parser.add_argument("--sample-entries", type=_flag(int, 1), default=SAMPLE_ENTRIES,
                         help="most entries of a timed sample leaf (4194304)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -472,7 +489,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         advice = advise(args.params, args.workers, args.bandwidth_gbps, args.latency_us,
                         args.compute_ms / 1e3, exchange=args.exchange, shared=args.shared,
-                        repeats=args.repeats, sample_entries=args.sample_entries)  # fmt: skip
+                        repeats=args.repeats, sample_entries=args.sample_entries,
+                        clock=args.clock)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
     link = "one shared medium" if args.shared else "each worker on its own link"
@@ -480,7 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{args.params:,} parameters, {args.workers} workers, {args.bandwidth_gbps:g} Gbit/s "
         f"({link}), {args.latency_us:g} us latency, {args.compute_ms:g} ms compute; codecs "
-        f"timed on {jax.devices()[0].platform} in {args.repeats} interleaved rounds, at most "
+        f"timed on {jax.devices()[0].platform} ({args.clock} clock) in {args.repeats} interleaved "
+        f"rounds, at most "
         f"{args.sample_entries:,} entries per sample leaf, scaled by size ({wall:.1f} s, "
         f"{cpu:.1f} s CPU)"
     )

@@ -23,12 +23,12 @@ def test_a_parameter_count_is_a_matrix_of_1024_columns_and_the_rest():
 
 def fixed_timer(seconds):
     """A codec timer that says every update takes ``seconds`` (so no codec costs over dense)."""
-    return lambda txs, params, repeats, entries: {name: [seconds] * repeats for name in txs}
+    return lambda txs, params, repeats, entries, clock: {name: [seconds] * repeats for name in txs}
 
 
 def rounds_timer(rounds):
     """A codec timer giving each method's per-round seconds (dense fp32's when not given)."""
-    return lambda txs, params, repeats, entries: {
+    return lambda txs, params, repeats, entries, clock: {
         name: rounds.get(name, rounds["dense fp32"]) for name in txs
     }
 
@@ -88,6 +88,7 @@ def test_all_gather_exchange_moves_more_at_many_workers():
         ({"params": 4096.5}, "params"),
         ({"params": math.inf}, "params"),
         ({"repeats": 0}, "repeats"),
+        ({"clock": "gpu"}, "clock"),
     ],
 )
 def test_bad_arguments_raise_naming_them(kwargs, name):
@@ -142,8 +143,9 @@ def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
     assert factor == pytest.approx((9 * 2100 + 6 + 64) / (18 * 1024 + 6 + 64))
     # The real timer at a billion parameters allocates and runs only the sample.
     txs = {"dense fp32": advise.methods("scatter_gather")["dense fp32"]()}
-    rounds = advise.time_updates(txs, advise.as_params(10**9), repeats=2, sample_entries=4096)
-    assert rounds["dense fp32"].shape == (2,) and np.all(rounds["dense fp32"] > 0)
+    for clock in advise.CLOCKS:
+        rounds = advise.time_updates(txs, advise.as_params(10**9), 2, 4096, clock)
+        assert rounds["dense fp32"].shape == (2,) and np.all(rounds["dense fp32"] > 0)
 
 
 def test_codec_times_are_medians_of_paired_rounds_and_negatives_are_kept():
