@@ -4,16 +4,33 @@ For a model (a params tree or a parameter count), ``n`` workers and a
 network (bandwidth, latency, each worker on its own link or all on one
 shared medium), every method below is costed as
 
-    step = compute + codec + the time of its messages on the network,
+    step = compute + dense's update + codec + the time of its messages on the network,
 
 with the messages and their collectives from :func:`compjax.communication`
 (``routes``), their time from :mod:`compjax.costmodel` (the model that
-``make bench-net`` checks against measured steps: 57 of 60 settings within
+``make bench-net`` checks against measured steps: 64 of 66 settings within
 25%), and the codec timed here, on the current device: one jitted update
 of a single worker (its compression and the decoding of its own message;
 the decoding of the other workers' messages, which an all-gather adds, is
-not included), less the same for the uncompressed all-reduce.  Speedups
-are against dense float32 and against the bf16 cast.  A parameter count
+not included), less dense float32's update timed in the same round.
+
+The codecs are timed on a sample and scaled by size: the entries of the
+matrices become one matrix of 1024 columns and those of the vectors one
+vector, each cut to at most ``sample_entries`` entries (4M) by the same
+fraction, and the sample's time is multiplied by the model's entries over
+the sample's.
+The methods are timed in interleaved rounds (every method once per round,
+in a rotating order); a codec's time is the median over rounds of its time
+less dense's in the same round, and the range of those differences is
+reported with it.  A negative median (a codec timed faster than dense's
+update) is kept, shown and flagged, never clipped.
+
+Every method's step is ``a + K / bandwidth`` (``a``: compute, update,
+codec and latency; ``K``: the bits on the wire), so against dense float32
+it pays below one bandwidth, its crossover (or at every bandwidth, or at
+none), given with its range over the codec's range.  The command ends with
+a recommendation: the method with the shortest step.  Speedups are
+against dense float32 and against the bf16 cast.  A parameter count
 stands for a matrix of 1024 columns (and a vector of the rest), so that
 PowerSGD has a matrix to factor.
 """
@@ -22,9 +39,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -44,14 +62,22 @@ COLLECTIVES = {
     "reduce_scatter": "reduce_scatter",
 }
 COLUMNS = 1024
+DENSE, BF16 = "dense fp32", "bf16 cast"
+#: Entries of each leaf of the sample the codecs are timed on (:func:`sample_tree`), at most.
+SAMPLE_ENTRIES = 2**22
+#: The timed gradients and states cycle through copies of at least this many bytes together
+#: (twice a 32 MiB last-level cache), at most ``MAX_COPIES``.
+COLD_BYTES, MAX_COPIES = 2**26, 8
+#: The timer's clocks: wall time, or the process's CPU time (a CPU backend on a shared machine).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformation]]:
     """The methods advised on, by name; compressed messages travel by ``exchange``."""
     via = "scatter_gather" if exchange == "scatter_gather" else "all_gather"
     return {
-        "dense fp32": lambda: compjax.compress(compjax.identity(), AXIS),
-        "bf16 cast": lambda: compjax.compress(compjax.cast("bfloat16"), AXIS),
+        DENSE: lambda: compjax.compress(compjax.identity(), AXIS),
+        BF16: lambda: compjax.compress(compjax.cast("bfloat16"), AXIS),
         "TernGrad (int8 psum)": lambda: compjax.terngrad_allreduce(AXIS),
         "QSGD 4-bit": lambda: compjax.compress(compjax.qsgd(levels=7), AXIS, exchange=exchange),
         "EF top-k 1%": lambda: compjax.error_feedback(
@@ -72,11 +98,20 @@ class Advice:
         ring traffic).
       routes: ``{(collective, axes): payload bits}`` (``payload_bits_by_route()``:
         the message sizes the cost model turns into time, not the traffic).
-      codec_s: the measured codec time per worker and step (over dense's).
+      codec_s: the codec time per worker and step: the median over timing
+        rounds of this method's update less dense float32's (negative when
+        it timed faster; never clipped).
+      codec_range_s: ``(least, most)`` of those per-round differences.
       comm_s: the messages' time on the network.
-      step_s: ``compute + codec + comm``.
+      step_s: ``compute + dense's update + codec + comm``.
       speedup_fp32, speedup_bf16: dense float32's and the bf16 cast's step
         over this one.
+      crossover_gbps: the bandwidth where this step equals dense float32's
+        (``inf``: it pays at every bandwidth; ``0``: at none; ``nan`` for dense).
+      pays_below: whether it pays below ``crossover_gbps`` (else above it: a
+        method that sends more than dense but whose update is cheaper).
+      crossover_range_gbps: ``crossover_gbps`` at the codec's most and least
+        per-round times.
     """
 
     method: str
@@ -85,16 +120,28 @@ class Advice:
     codec_s: float
     comm_s: float
     step_s: float
+    codec_range_s: tuple[float, float] = (math.nan, math.nan)
     speedup_fp32: float = math.nan
     speedup_bf16: float = math.nan
+    crossover_gbps: float = math.nan
+    pays_below: bool = True
+    crossover_range_gbps: tuple[float, float] = (math.nan, math.nan)
+
+    @property
+    def noisy(self) -> bool:
+        """Whether the per-round differences of the codec span zero (or their median is < 0)."""
+        low, high = self.codec_range_s
+        return self.method != DENSE and (self.codec_s < 0 or low < 0 < high)
 
 
 def as_params(params: Any) -> Any:
     """A params tree, or a parameter count as one float32 vector of that many entries."""
-    if isinstance(params, int | float) and not isinstance(params, bool):
+    if isinstance(params, int | float | np.integer | np.floating) and not isinstance(params, bool):
+        if not (math.isfinite(params) and params >= 1 and float(params).is_integer()):
+            raise ValueError(
+                f"params: a parameter count must be a whole number >= 1, got {params!r}"
+            )
         count = int(params)
-        if count < 1:
-            raise ValueError(f"params: a parameter count must be positive, got {params!r}")
         rows, rest = divmod(count, COLUMNS)
         tree = {"rest": jax.ShapeDtypeStruct((rest,), jnp.float32)} if rest else {}
         if rows:
@@ -109,21 +156,93 @@ def messages(report: compjax.CommunicationReport) -> list[tuple[str, float]]:
     return [(COLLECTIVES[via], float(b)) for (via, _), b in report.payload_bits_by_route().items()]
 
 
-def time_update(tx: optax.GradientTransformation, params: Any, workers: int, repeats: int):
-    """Seconds per worker of one jitted update of ``workers`` workers simulated by vmap
-    (median of ``repeats``)."""
-    shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
-    keys = jax.random.split(jax.random.key(0), len(jax.tree.leaves(shapes)))
-    grads = jax.tree.unflatten(
-        jax.tree.structure(shapes),
-        [
-            jax.random.normal(k, (workers, *s.shape), s.dtype)
-            for k, s in zip(keys, jax.tree.leaves(shapes), strict=True)
-        ],
-    )
-    state = jax.vmap(lambda _: tx.init(shapes_like(shapes)))(jnp.arange(workers))
-    step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
-    return median_seconds(lambda: step(grads, state), repeats) / workers
+def sample_tree(params: Any, entries: int = SAMPLE_ENTRIES) -> tuple[dict, float]:
+    """A small tree whose update time, times ``factor``, is ``params``' update time.
+
+    Per dtype, the entries of the leaves of two or more dimensions become one
+    matrix of (at most) :data:`COLUMNS` columns, and those of the vectors and
+    scalars one vector, as a parameter count is laid out (a tree of many
+    leaves would cost a compilation of many); where one of these exceeds
+    ``entries`` entries, every one is cut by the same fraction (the matrix
+    by rows).  ``factor`` is the entries of ``params`` over the sample's.
+
+    Returns:
+      ``({name: jax.ShapeDtypeStruct}, factor)``.
+    """
+    sizes: dict[tuple[bool, Any], int] = {}
+    for leaf in jax.tree.leaves(params):
+        key = (np.ndim(leaf) >= 2, jnp.dtype(leaf.dtype))
+        sizes[key] = sizes.get(key, 0) + int(np.size(leaf))
+    sizes = {key: size for key, size in sizes.items() if size}
+    if not sizes:
+        return {}, 1.0
+    cut = max(1.0, max(sizes.values()) / entries)
+    tree = {}
+    for (matrix, dtype), size in sizes.items():
+        columns = min(COLUMNS, size) if matrix else 1
+        rows = max(1, min(round(size / columns / cut), entries // columns))
+        shape = (rows, columns) if matrix else (rows,)
+        tree[f"{'matrix' if matrix else 'vector'}_{dtype.name}"] = jax.ShapeDtypeStruct(
+            shape, dtype
+        )
+    return tree, sum(sizes.values()) / sum(math.prod(s.shape) for s in tree.values())
+
+
+def time_updates(
+    txs: Mapping[str, optax.GradientTransformation],
+    params: Any,
+    repeats: int,
+    sample_entries: int = SAMPLE_ENTRIES,
+    clock: str = "wall",
+) -> dict[str, np.ndarray]:
+    """Seconds of one worker's jitted update of ``params``-shaped gradients, per round.
+
+    The update is timed on :func:`sample_tree` and scaled by size.  Each of
+    ``repeats`` rounds runs every transformation once, in an order rotated
+    by one each round, after one untimed call of each (compilation), so that
+    the methods' times in one round are taken under the same load.  Calls
+    cycle through copies of the gradients and states that together exceed
+    ``COLD_BYTES``, so that, as a model's gradient would be, they are not
+    in the cache (a 4M-entry sample timed on one copy ran at a third of
+    the time per entry of the whole 25.6M-entry gradient on a 32 MiB-L3 CPU).
+
+    ``clock="process"`` times by the process's CPU time (all its threads)
+    instead of the wall clock: steadier on a machine other jobs share, but
+    only for a CPU backend, and above the wall time where XLA runs an
+    operation on several cores.
+
+    Returns:
+      ``{name: seconds of each round}``, the rounds in order.
+    """
+    now = CLOCKS[clock]
+    tree, factor = sample_tree(params, sample_entries)
+    size = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in tree.values())
+    copies = min(MAX_COPIES, max(1, math.ceil(COLD_BYTES / max(size, 1))))
+    keys = jax.random.split(jax.random.key(0), copies * max(len(tree), 1)).reshape(copies, -1)
+    grads = [
+        {
+            name: jax.random.normal(key, (1, *s.shape)).astype(s.dtype)
+            for key, (name, s) in zip(row, tree.items(), strict=False)
+        }
+        for row in keys
+    ]
+    calls = {}
+    for name, tx in txs.items():
+        init = jax.jit(jax.vmap(tx.init))
+        step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
+        calls[name] = [functools.partial(step, g, init(g)) for g in grads]
+        jax.block_until_ready(calls[name][0]())  # compile
+    names = list(txs)
+    totals = {name: np.zeros(repeats) for name in names}
+    count = 0
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            call = calls[name][count % copies]
+            count += 1
+            start = now()
+            jax.block_until_ready(call())
+            totals[name][r] = factor * (now() - start)
+    return totals
 
 
 def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
@@ -137,8 +256,31 @@ def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return float(np.median(times))
 
 
-def shapes_like(shapes: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+def _positive(name: str, value: Any, *, zero: bool = False) -> None:
+    ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and (value >= 0 if zero else value > 0)):
+        bound = ">= 0" if zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")
+
+
+def _affine(kind: type, latency_us: float, msgs: list, workers: int) -> tuple[float, float]:
+    """``(L, K)`` with the messages' time ``L + K / bandwidth_gbps`` on ``kind`` networks."""
+    at_1 = kind(bandwidth_gbps=1.0, latency_us=latency_us).exchange(msgs, workers)
+    at_2 = kind(bandwidth_gbps=2.0, latency_us=latency_us).exchange(msgs, workers)
+    per_gbps = 2.0 * (at_1 - at_2)
+    return at_1 - per_gbps, per_gbps
+
+
+def crossover(dense: tuple[float, float], method: tuple[float, float]) -> tuple[float, bool]:
+    """Where ``a_m + K_m / B`` equals dense's ``a_d + K_d / B``, and whether the method pays
+    below it: ``(inf, True)`` when it pays at every bandwidth, ``(0.0, True)`` at none."""
+    (a_d, k_d), (a_m, k_m) = dense, method
+    saved, extra = k_d - k_m, a_m - a_d  # wire time saved at 1 Gbit/s, fixed time added
+    if saved > 0 and extra <= 0:
+        return math.inf, True
+    if saved <= 0 and extra >= 0:
+        return 0.0, True
+    return saved / extra, saved > 0  # both positive (pays below) or both negative (above)
 
 
 def advise(
@@ -150,22 +292,26 @@ def advise(
     *,
     exchange: str = "scatter_gather",
     shared: bool = False,
-    repeats: int = 3,
-    timer: Callable[[optax.GradientTransformation, Any, int, int], float] = time_update,
+    repeats: int = 7,
+    sample_entries: int = SAMPLE_ENTRIES,
+    clock: str = "wall",
+    timer: Callable[..., Mapping[str, Sequence[float]]] = time_updates,
 ) -> list[Advice]:
-    """Predicted step time and speedup of every method of :func:`methods` on this setup.
+    """Predicted step time, speedup and crossover bandwidth of every method of :func:`methods`.
 
     Args:
       params: the params tree (arrays or ``jax.ShapeDtypeStruct``), or a parameter count.
       workers: data-parallel workers, at least 2.
       bandwidth_gbps, latency_us: the network (per worker, or of the shared
-        medium with ``shared=True``).
+        medium with ``shared=True``); finite.
       compute_s: forward and backward per step, without communication.
       exchange: ``"scatter_gather"`` or ``"all_gather"`` for the compressed messages.
       shared: one medium all workers' bits cross (``costmodel.SharedMedium``).
-      repeats: timed runs per codec (median).
-      timer: ``timer(tx, params, workers, repeats)``, seconds of one update per worker
-        (called with one worker).
+      repeats: timing rounds (medians and ranges over them).
+      sample_entries: the most entries of each leaf of the timed sample (:func:`sample_tree`).
+      clock: ``"wall"`` or ``"process"`` (CPU time; see :func:`time_updates`).
+      timer: ``timer(txs, params, repeats, sample_entries, clock)``: ``{name:
+        seconds per round}`` of one worker's update (:func:`time_updates`).
 
     Returns:
       One :class:`Advice` per method, dense float32 first.
@@ -173,78 +319,195 @@ def advise(
     Raises:
       ValueError: a bad argument, naming it.
     """
-    if not isinstance(workers, int) or workers < 2:
+    if not isinstance(workers, int | np.integer) or isinstance(workers, bool) or workers < 2:
         raise ValueError(f"workers must be an integer >= 2, got {workers!r}")
-    for name, value in (("bandwidth_gbps", bandwidth_gbps), ("compute_s", compute_s)):
-        if not value > 0:
-            raise ValueError(f"{name} must be positive, got {value!r}")
-    if not latency_us >= 0:
-        raise ValueError(f"latency_us must be >= 0, got {latency_us!r}")
+    _positive("bandwidth_gbps", bandwidth_gbps)
+    _positive("compute_s", compute_s)
+    _positive("latency_us", latency_us, zero=True)
+    for name, value in (("repeats", repeats), ("sample_entries", sample_entries)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if exchange not in ("scatter_gather", "all_gather"):
         raise ValueError(f"exchange must be 'scatter_gather' or 'all_gather', got {exchange!r}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     params = as_params(params)
     kind = costmodel.SharedMedium if shared else costmodel.Network
     network = kind(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
-    table = methods(exchange)
     concrete = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
-    base = timer(table["dense fp32"](), concrete, 1, repeats)
+    txs = {name: build() for name, build in methods(exchange).items()}
+    rounds = {
+        k: np.asarray(v, float)
+        for k, v in timer(txs, concrete, repeats, sample_entries, clock).items()
+    }
+    base = compute_s + float(np.median(rounds[DENSE]))  # dense's update is in every step
+    reports = {
+        name: compjax.communication(tx, concrete, AXIS, num_workers=workers)
+        for name, tx in txs.items()
+    }
+    msgs = {name: messages(report) for name, report in reports.items()}
+    lines = {name: _affine(kind, latency_us, m, workers) for name, m in msgs.items()}
+    diffs = {name: rounds[name] - rounds[DENSE] for name in txs}
+    codecs = {name: float(np.median(d)) for name, d in diffs.items()}
+    comms = {name: network.exchange(m, workers) for name, m in msgs.items()}
+    steps = {name: base + codecs[name] + comms[name] for name in txs}
+
+    def crossing(name: str, codec: float) -> tuple[float, bool]:
+        (latency, per_gbps), (dense_latency, dense_per_gbps) = lines[name], lines[DENSE]
+        return crossover((base + dense_latency, dense_per_gbps), (base + codec + latency, per_gbps))
+
     out = []
-    for name, build in table.items():
-        tx = build()
-        report = compjax.communication(tx, concrete, AXIS, num_workers=workers)
-        codec = 0.0 if name == "dense fp32" else max(timer(tx, concrete, 1, repeats) - base, 0.0)
-        comm = network.exchange(messages(report), workers)
-        out.append(
-            Advice(
-                method=name,
-                bits_per_worker=report.bits_per_worker,
-                routes=report.payload_bits_by_route(),
-                codec_s=codec,
-                comm_s=comm,
-                step_s=compute_s + codec + comm,
-            )
+    for name in txs:
+        advice = Advice(
+            method=name,
+            bits_per_worker=reports[name].bits_per_worker,
+            routes=reports[name].payload_bits_by_route(),
+            codec_s=codecs[name],
+            codec_range_s=(float(diffs[name].min()), float(diffs[name].max())),
+            comm_s=comms[name],
+            step_s=steps[name],
+            speedup_fp32=steps[DENSE] / steps[name],
+            speedup_bf16=steps[BF16] / steps[name],
         )
-    fp32, bf16 = out[0].step_s, out[1].step_s
-    return [dataclasses.replace(a, speedup_fp32=fp32 / a.step_s, speedup_bf16=bf16 / a.step_s)
-            for a in out]  # fmt: skip
+        if name != DENSE:
+            gbps, below = crossing(name, codecs[name])
+            slowest, fastest = diffs[name].max(), diffs[name].min()
+            advice = dataclasses.replace(
+                advice,
+                crossover_gbps=gbps,
+                pays_below=below,
+                crossover_range_gbps=(crossing(name, slowest)[0], crossing(name, fastest)[0]),
+            )
+        out.append(advice)
+    return out
+
+
+def _gbps(value: float) -> str:
+    return "any" if value == math.inf else "none" if value == 0 else f"{value:.3g}"
+
+
+def crossover_text(a: Advice, *, spread: bool = False) -> str:
+    """``"below 85.3"``, ``"above 2"``, ``"any"`` or ``"none"`` (Gbit/s where it pays); with
+    ``spread``, the crossovers at the codec's most and least time after it."""
+    if a.method == DENSE:
+        return "-"
+    text = _gbps(a.crossover_gbps)
+    if a.crossover_gbps not in (0.0, math.inf):
+        text = f"{'below' if a.pays_below else 'above'} {text}"
+    low, high = (_gbps(g) for g in a.crossover_range_gbps)
+    return f"{text} ({low} to {high})" if spread and low != high else text
 
 
 def table(advice: Sequence[Advice]) -> str:
     """The advice as an aligned text table."""
-    rows = [("method", "Mbit/worker", "travels by", "codec ms", "comm ms", "step ms",
-             "x fp32", "x bf16")]  # fmt: skip
+    rows = [("method", "Mbit/worker", "travels by", "codec ms (range)", "comm ms", "step ms",
+             "x fp32", "x bf16", "pays at Gbit/s")]  # fmt: skip
     for a in advice:
         routes = ", ".join(sorted({via for via, _ in a.routes}))
-        rows.append((a.method, f"{a.bits_per_worker / 1e6:.2f}", routes, f"{1e3 * a.codec_s:.1f}",
+        low, high = (1e3 * v for v in a.codec_range_s)
+        codec = "-" if a.method == DENSE else f"{1e3 * a.codec_s:.1f} ({low:.1f} to {high:.1f})"
+        rows.append((a.method, f"{a.bits_per_worker / 1e6:.2f}", routes, codec,
                      f"{1e3 * a.comm_s:.1f}", f"{1e3 * a.step_s:.1f}", f"{a.speedup_fp32:.2f}",
-                     f"{a.speedup_bf16:.2f}"))  # fmt: skip
+                     f"{a.speedup_bf16:.2f}", crossover_text(a, spread=True)))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
+    """The answer: the method with the shortest step, how much it gains, where it stops
+    paying, and which codec times were within their timing noise."""
+    best = min(advice, key=lambda a: a.step_s)
+    dense = advice[0]
+    at = f"at {bandwidth_gbps:g} Gbit/s"
+    if best.method == DENSE:
+        payers = [a for a in advice[1:] if a.pays_below and a.crossover_gbps > 0]
+        first = max(payers, key=lambda a: a.crossover_gbps, default=None)
+        text = f"Recommendation: dense fp32; no method's step is shorter {at}"
+        if first is not None:
+            text += (f" (as the bandwidth falls, the first to pay is {first.method}, below "
+                     f"{_gbps(first.crossover_gbps)} Gbit/s)")  # fmt: skip
+        text += "."
+    else:
+        where = {
+            math.inf: "at every bandwidth",
+            0.0: "at no bandwidth",
+        }.get(best.crossover_gbps, f"{crossover_text(best)} Gbit/s")
+        text = (f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32's step and "
+                f"{best.speedup_bf16:.2f}x the bf16 cast's {at} ({1e3 * best.step_s:.1f} ms "
+                f"against {1e3 * dense.step_s:.1f} ms); it pays {where}.")  # fmt: skip
+    lines = [text]
+    noisy = [a.method for a in advice if a.noisy]
+    if noisy:
+        lines.append(f"Within timing noise (their codec range spans 0 or is negative, kept as "
+                     f"measured): {', '.join(noisy)}.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _flag(kind: type, least: float, *, above: bool = False):
+    """An argparse type: a finite ``kind`` >= ``least`` (> with ``above``; an ``int`` any whole
+    number, ``25.6e6`` included); argparse's error names the flag."""
+
+    def parse(text: str):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        ok = math.isfinite(value) and (value > least if above else value >= least)
+        if not ok or (kind is int and not value.is_integer()):
+            what = "a whole number" if kind is int else "a finite number"
+            bound = f"> {least:g}" if above else f">= {least:g}"
+            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {text!r}")
+        return kind(value)
+
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m compjax.advise", description=__doc__)
-    parser.add_argument("--params", type=float, required=True, help="parameter count (25.6e6)")
-    parser.add_argument("--workers", type=int, required=True)
-    parser.add_argument("--bandwidth-gbps", type=float, required=True)
-    parser.add_argument("--latency-us", type=float, default=5.0)
-    parser.add_argument("--compute-ms", type=float, required=True, help="per step, per worker")
+    parser = argparse.ArgumentParser(
+        prog="python -m compjax.advise",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--params", type=_flag(int, 1), required=True,
+                        help="parameter count (25.6e6)")  # fmt: skip
+    parser.add_argument("--workers", type=_flag(int, 2), required=True)
+    parser.add_argument("--bandwidth-gbps", type=_flag(float, 0, above=True), required=True)
+    parser.add_argument("--latency-us", type=_flag(float, 0), default=5.0)
+    parser.add_argument("--compute-ms", type=_flag(float, 0, above=True), required=True,
+                        help="per step, per worker")  # fmt: skip
     parser.add_argument("--exchange", default="scatter_gather",
                         choices=("scatter_gather", "all_gather"))  # fmt: skip
     parser.add_argument("--shared", action="store_true", help="one medium shared by all workers")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=_flag(int, 1), default=7, help="timing rounds (7)")
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+                        help="time by the wall clock, or the process's CPU time (steadier on "
+                        "a shared machine, CPU backends only)")  # fmt: skip
+    parser.add_argument("--sample-entries", type=_flag(int, 1), default=SAMPLE_ENTRIES,
+                        help="most entries of a timed sample leaf (4194304)")  # fmt: skip
     args = parser.parse_args(argv)
+    began, cpu = time.perf_counter(), time.process_time()
     try:
-        advice = advise(int(args.params), args.workers, args.bandwidth_gbps, args.latency_us,
+        advice = advise(args.params, args.workers, args.bandwidth_gbps, args.latency_us,
                         args.compute_ms / 1e3, exchange=args.exchange, shared=args.shared,
-                        repeats=args.repeats)  # fmt: skip
+                        repeats=args.repeats, sample_entries=args.sample_entries,
+                        clock=args.clock)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
     link = "one shared medium" if args.shared else "each worker on its own link"
-    print(f"{int(args.params):,} parameters, {args.workers} workers, {args.bandwidth_gbps:g} "
-          f"Gbit/s ({link}), {args.latency_us:g} us latency, {args.compute_ms:g} ms compute; "
-          f"codecs timed on {jax.devices()[0].platform}")  # fmt: skip
+    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
+    print(
+        f"{args.params:,} parameters, {args.workers} workers, {args.bandwidth_gbps:g} Gbit/s "
+        f"({link}), {args.latency_us:g} us latency, {args.compute_ms:g} ms compute; codecs "
+        f"timed on {jax.devices()[0].platform} ({args.clock} clock) in {args.repeats} interleaved "
+        f"rounds, at most "
+        f"{args.sample_entries:,} entries per sample leaf, scaled by size ({wall:.1f} s, "
+        f"{cpu:.1f} s CPU)"
+    )
     print(table(advice))
+    print(recommendation(advice, args.bandwidth_gbps))
     return 0
 
 

@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import difflib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,21 @@ WITH_COMPRESSOR: dict[str, Callable] = {
     "diana": compjax.diana,
 }
 
+
+def _powersgd(axis_name, rank=1, **kwargs):
+    return compjax.powersgd(rank, axis_name, **kwargs)
+
+
+def _axis_first(signature: inspect.Signature) -> inspect.Signature:
+    """powersgd's signature as ``_powersgd`` takes it: the axis name first, rank 1 by default."""
+    params = dict(signature.parameters)
+    rank = params.pop("rank").replace(default=1)
+    return signature.replace(parameters=[params.pop("axis_name"), rank, *params.values()])
+
+
+# Its keywords, for the did-you-mean of a misspelled one.
+_powersgd.__signature__ = _axis_first(inspect.signature(compjax.powersgd))
+
 # Transformations taking only the axis name and hyperparameters.
 WITH_AXIS: dict[str, Callable] = {
     "sign_majority_vote": compjax.sign_majority_vote,
@@ -74,7 +90,7 @@ WITH_AXIS: dict[str, Callable] = {
     "signum": functools.partial(compjax.sign_majority_vote, momentum=0.9),
     "terngrad_allreduce": compjax.terngrad_allreduce,
     "dgc": compjax.dgc,
-    "powersgd": lambda axis_name, rank=1, **kw: compjax.powersgd(rank, axis_name, **kw),
+    "powersgd": _powersgd,
     "variance_based": compjax.variance_based,
     "strom_threshold": compjax.strom_threshold,
     # DeMo's sign direction; the SGD that follows is its step (weight decay 0).
@@ -167,23 +183,47 @@ class _Builder:
             return self.compressor(node)
         raise self.error(node, f"unsupported expression {ast.dump(node)}")
 
-    def call_parts(self, node: ast.Call) -> tuple[str, list, dict]:
+    def name(self, node: ast.Call, known: Any, what: str) -> str:
+        """The called name, or an error with a did-you-mean when it is not in ``known``."""
         if not isinstance(node.func, ast.Name):
             raise self.error(node, "a method is a call of a registered name")
+        name = node.func.id
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise self.error(node, f"{what.format(name=repr(name))}{hint}; one of {sorted(known)}")
+        return name
+
+    def call_parts(self, node: ast.Call) -> tuple[list, dict]:
         args = [self.value(a) for a in node.args]
         kwargs = {k.arg: self.value(k.value) for k in node.keywords}
-        return node.func.id, args, kwargs
+        return args, kwargs
+
+    def call(self, node: ast.AST, name: str, factory: Callable, *args, **kwargs) -> Any:
+        """``factory(*args, **kwargs)``; a keyword it does not take is named (did you mean)."""
+        taken = _keywords(factory, len(args))
+        for key in kwargs:
+            if taken is not None and key not in taken:
+                close = difflib.get_close_matches(key, sorted(taken), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise self.error(
+                    node,
+                    f"{name} got an unexpected keyword argument {key!r}{hint}; "
+                    f"it takes {sorted(taken)}",
+                )
+        return factory(*args, **kwargs)
 
     def compressor(self, node: ast.Call) -> compjax.Compressor:
-        name, args, kwargs = self.call_parts(node)
-        if name not in COMPRESSORS:
-            raise self.error(node, f"{name!r} is not a compressor; one of {sorted(COMPRESSORS)}")
-        return COMPRESSORS[name](*args, **kwargs)
+        name = self.name(node, COMPRESSORS, "{name} is not a compressor")
+        args, kwargs = self.call_parts(node)
+        return self.call(node, name, COMPRESSORS[name], *args, **kwargs)
 
     def method(self, node: ast.AST) -> Method:
         if not isinstance(node, ast.Call):
             raise self.error(node, "a method is a call such as diana(qsgd(levels=4))")
-        name, args, kwargs = self.call_parts(node)
+        known = {*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS, ADAM}
+        name = self.name(node, known, "unknown method {name}")
+        args, kwargs = self.call_parts(node)
         items = tuple(sorted(kwargs.items()))
         if name in COMPRESSORS:
             comp = self.compressor(node)
@@ -194,6 +234,7 @@ class _Builder:
             if len(args) != 1 or not isinstance(args[0], compjax.Compressor):
                 raise self.error(node, f"{name} takes one compressor, e.g. {name}(qsgd(levels=4))")
             comp, factory = args[0], WITH_COMPRESSOR[name]
+            self.call(node, name, factory, comp, None, **kwargs)  # its options checked now
             return Method(
                 self.spec,
                 name,
@@ -206,7 +247,7 @@ class _Builder:
         if name in WITH_AXIS:
             factory = WITH_AXIS[name]
             build = functools.partial(_with_axis, factory, kwargs)
-            build(None)  # validate the hyperparameters now (ValueError naming them)
+            self.call(node, name, factory, None, **kwargs)  # hyperparameters checked now
             gradients = "per_example" if name == "variance_based" else "local"
             return Method(self.spec, name, build, gradients=gradients, kwargs=items)
         if name == "dense":
@@ -218,7 +259,7 @@ class _Builder:
             )
         if name == ADAM:
             comp = compjax.identity()
-            optax.scale_by_adam(**kwargs)  # a bad hyperparameter fails here, naming it
+            self.call(node, name, optax.scale_by_adam, **kwargs)  # a bad one fails here
             return Method(
                 self.spec,
                 name,
@@ -243,10 +284,20 @@ class _Builder:
                 kwargs=items,
                 compressor=kwargs.get("compressor"),
             )
-        known = sorted({*COMPRESSORS, *WITH_COMPRESSOR, *WITH_AXIS, *GRADIENTS, ADAM})
-        close = difflib.get_close_matches(name, known, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise self.error(node, f"unknown method {name!r}{hint}; one of {known}")
+        raise AssertionError(f"unhandled method {name!r}")  # every known name is handled above
+
+
+def _keywords(factory: Callable, positional: int = 0) -> set[str] | None:
+    """The keywords ``factory`` takes after ``positional`` positional arguments, or ``None``
+    when it takes any (``**kwargs``)."""
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters[positional:] if p.kind in kinds}
 
 
 def _with_axis(factory: Callable, kwargs: dict, axis_name):
@@ -267,6 +318,10 @@ def parse(spec: str) -> Method:
     try:
         return _Builder(spec).method(tree.body)
     except TypeError as err:
+        raise ValueError(f"method {spec!r}: {err}") from err
+    except ValueError as err:  # a compjax factory's own check: say which method it was
+        if str(err).startswith(f"method {spec!r}"):
+            raise
         raise ValueError(f"method {spec!r}: {err}") from err
 
 

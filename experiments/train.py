@@ -74,6 +74,11 @@ from experiments.problem import AXIS, P, Problem, real_totals
 log = logging.getLogger(__name__)
 
 
+class ConfigError(ValueError):
+    """A config that passed :meth:`Config.resolved` but that building its run rejects (a
+    batch larger than a worker's shard, a method its task cannot take); nothing is written."""
+
+
 @dataclasses.dataclass
 class Run:
     """A finished run: its directory, resolved config, metadata and per-step records."""
@@ -119,11 +124,14 @@ def run(
     path = cfg.run_dir(Path(root))
     if not fresh and (path / "summary.json").exists():
         return load(path)
+    try:  # built before anything is written: a config it rejects leaves no directory
+        problem = Problem(cfg)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err)) from err
     path.mkdir(parents=True, exist_ok=True)
     if fresh:  # an old checkpoint or summary must not outlive the logs this run rewrites
         for name in (runlog.CHECKPOINT, "summary.json"):
             (path / name).unlink(missing_ok=True)
-    problem = Problem(cfg)
     plan = problem.bits_plan()
     steady_reduced, steady_gathered = problem.split(plan["steady"])
     info = {
@@ -308,6 +316,8 @@ def main(argv: Sequence[str] | None = None) -> Run:
     finished = not args.fresh and (path / "summary.json").exists()
     try:
         result = run(cfg, args.out, fresh=args.fresh, progress=not args.no_progress)
+    except ConfigError as err:
+        _fail(str(err))
     except KeyboardInterrupt:
         every = max(resolved.checkpoint_every, resolved.eval_every)
         print(

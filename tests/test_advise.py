@@ -5,6 +5,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from compjax import advise, costmodel
@@ -22,7 +23,14 @@ def test_a_parameter_count_is_a_matrix_of_1024_columns_and_the_rest():
 
 def fixed_timer(seconds):
     """A codec timer that says every update takes ``seconds`` (so no codec costs over dense)."""
-    return lambda tx, params, workers, repeats: seconds
+    return lambda txs, params, repeats, entries, clock: {name: [seconds] * repeats for name in txs}
+
+
+def rounds_timer(rounds):
+    """A codec timer giving each method's per-round seconds (dense fp32's when not given)."""
+    return lambda txs, params, repeats, entries, clock: {
+        name: rounds.get(name, rounds["dense fp32"]) for name in txs
+    }
 
 
 def test_steps_are_compute_plus_codec_plus_the_cost_models_time():
@@ -35,10 +43,11 @@ def test_steps_are_compute_plus_codec_plus_the_cost_models_time():
     # the gradient and the non-finite flag, ring all-reduced: 2 (n - 1) / n of each leaves
     assert dense.bits_per_worker == 2 * (n - 1) / n * (32 * d + 8)
     assert dense.comm_s == pytest.approx(network.allreduce(32 * d + 8, n))
-    assert dense.step_s == pytest.approx(compute + dense.comm_s) and dense.speedup_fp32 == 1
+    assert dense.step_s == pytest.approx(compute + 0.02 + dense.comm_s)
+    assert dense.speedup_fp32 == 1
     assert by["bf16 cast"].speedup_bf16 == 1
-    for a in got:  # equal timers: no codec cost over dense
-        assert a.codec_s == 0 and a.step_s == pytest.approx(compute + a.comm_s)
+    for a in got:  # equal timers: no codec cost over dense; dense's update is in every step
+        assert a.codec_s == 0 and a.step_s == pytest.approx(compute + 0.02 + a.comm_s)
         assert a.speedup_fp32 == pytest.approx(dense.step_s / a.step_s)
     qsgd = by["QSGD 4-bit"]
     assert {via for via, _ in qsgd.routes} == {"all_reduce", "all_to_all", "all_gather"}
@@ -73,25 +82,141 @@ def test_all_gather_exchange_moves_more_at_many_workers():
     [
         ({"workers": 1}, "workers"),
         ({"bandwidth_gbps": 0.0}, "bandwidth_gbps"),
+        ({"bandwidth_gbps": math.inf}, "bandwidth_gbps"),
         ({"compute_s": -1.0}, "compute_s"),
+        ({"compute_s": math.nan}, "compute_s"),
         ({"latency_us": -1.0}, "latency_us"),
+        ({"latency_us": math.inf}, "latency_us"),
         ({"exchange": "ring"}, "exchange"),
+        ({"params": 0.5}, "params"),
+        ({"params": 4096.5}, "params"),
+        ({"params": math.inf}, "params"),
+        ({"repeats": 0}, "repeats"),
+        ({"clock": "gpu"}, "clock"),
     ],
 )
 def test_bad_arguments_raise_naming_them(kwargs, name):
-    args = {"workers": 4, "bandwidth_gbps": 1.0, "latency_us": 5.0, "compute_s": 0.1} | kwargs
+    args = {"params": 4096, "workers": 4, "bandwidth_gbps": 1.0, "latency_us": 5.0}
+    args |= {"compute_s": 0.1} | kwargs
     with pytest.raises(ValueError, match=name):
-        advise.advise(4096, **args, timer=fixed_timer(0.0))
+        advise.advise(**args, timer=fixed_timer(0.0))
 
 
-def test_cli_times_the_codecs_and_prints_every_method(capsys):
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        (
+            "--bandwidth-gbps",
+            "inf",
+            "argument --bandwidth-gbps: must be a finite number > 0, got 'inf'",
+        ),
+        ("--bandwidth-gbps", "0", "argument --bandwidth-gbps: must be a finite number > 0"),
+        ("--params", "0.5", "argument --params: must be a whole number >= 1, got '0.5'"),
+        ("--params", "1e400", "argument --params: must be a whole number >= 1"),
+        ("--workers", "1", "argument --workers: must be a whole number >= 2, got '1'"),
+        ("--latency-us", "nan", "argument --latency-us: must be a finite number >= 0"),
+        ("--compute-ms", "-3", "argument --compute-ms: must be a finite number > 0"),
+        ("--repeats", "0", "argument --repeats: must be a whole number >= 1"),
+    ],
+)
+def test_cli_bad_values_name_the_flag(flag, value, message, capsys):
+    args = {"--params": "8192", "--workers": "4", "--bandwidth-gbps": "1", "--compute-ms": "10"}
+    args[flag] = value
+    with pytest.raises(SystemExit) as exit_:
+        advise.main([x for pair in args.items() for x in pair])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
+    tree, factor = advise.sample_tree(advise.as_params(124_000_000))
+    assert all(math.prod(s.shape) <= advise.SAMPLE_ENTRIES for s in tree.values())
+    assert factor * sum(math.prod(s.shape) for s in tree.values()) == pytest.approx(124e6)
+    assert tree["matrix_float32"].shape == (4096, 1024)  # a matrix keeps its 1024 columns
+    # A tree of many leaves: one matrix and one vector per dtype, whatever the leaf count.
+    params = {f"w{i}": jax.ShapeDtypeStruct((3, 700), jnp.float32) for i in range(9)}
+    params |= {"b": jax.ShapeDtypeStruct((5,), jnp.float32), "s": jnp.zeros((), jnp.float32)}
+    params |= {"h": jax.ShapeDtypeStruct((4, 2, 8), jnp.bfloat16)}
+    tree, factor = advise.sample_tree(params)
+    shapes = {name: s.shape for name, s in tree.items()}
+    assert shapes == {
+        "matrix_float32": (18, 1024),
+        "vector_float32": (6,),
+        "matrix_bfloat16": (1, 64),
+    }
+    assert factor == pytest.approx((9 * 2100 + 6 + 64) / (18 * 1024 + 6 + 64))
+    # The real timer at a billion parameters allocates and runs only the sample.
+    txs = {"dense fp32": advise.methods("scatter_gather")["dense fp32"]()}
+    for clock in advise.CLOCKS:
+        rounds = advise.time_updates(txs, advise.as_params(10**9), 2, 4096, clock)
+        assert rounds["dense fp32"].shape == (2,) and np.all(rounds["dense fp32"] > 0)
+
+
+def test_codec_times_are_medians_of_paired_rounds_and_negatives_are_kept():
+    dense = [1.0, 5.0, 9.0]
+    timer = rounds_timer({"dense fp32": dense, "QSGD 4-bit": [1.5, 9.5, 5.2],
+                          "sign vote": [0.9, 4.8, 8.95]})  # fmt: skip
+    got = {a.method: a for a in advise.advise(8192, 4, 1.0, 5.0, 0.1, repeats=3, timer=timer)}
+    qsgd, vote = got["QSGD 4-bit"], got["sign vote"]
+    # The median of the per-round differences (0.5), not the difference of medians (0.2).
+    assert qsgd.codec_s == pytest.approx(0.5) and qsgd.codec_range_s == pytest.approx((-3.8, 4.5))
+    assert qsgd.step_s == pytest.approx(0.1 + np.median(dense) + 0.5 + qsgd.comm_s)
+    assert vote.codec_s == pytest.approx(-0.1) and vote.codec_range_s == pytest.approx(
+        (-0.2, -0.05)
+    )
+    assert vote.step_s == pytest.approx(0.1 + 5.0 - 0.1 + vote.comm_s)  # not clipped to 0
+    assert qsgd.noisy and vote.noisy and not got["bf16 cast"].noisy
+    assert "-100.0 (-200.0 to -50.0)" in advise.table(list(got.values()))
+    text = advise.recommendation(list(got.values()), 1.0)
+    assert "Within timing noise" in text and "QSGD 4-bit" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_crossover_is_where_the_step_equals_dense_fp32s(shared):
+    timer = rounds_timer({"dense fp32": [0.010] * 3, "QSGD 4-bit": [0.030] * 3,
+                          "bf16 cast": [0.009] * 3, "EF top-k 1%": [5.0] * 3})  # fmt: skip
+    kwargs = {"shared": shared, "timer": timer, "repeats": 3}
+    got = {a.method: a for a in advise.advise(2**20, 8, 1.0, 5.0, 0.05, **kwargs)}
+    qsgd = got["QSGD 4-bit"]
+    assert qsgd.pays_below and 0 < qsgd.crossover_gbps < math.inf
+    at = {a.method: a for a in advise.advise(2**20, 8, qsgd.crossover_gbps, 5.0, 0.05, **kwargs)}
+    assert at["QSGD 4-bit"].speedup_fp32 == pytest.approx(1.0)
+    for scale, pays in ((0.5, True), (2.0, False)):
+        res = advise.advise(2**20, 8, scale * qsgd.crossover_gbps, 5.0, 0.05, **kwargs)
+        assert (next(a for a in res if a.method == "QSGD 4-bit").speedup_fp32 > 1) == pays
+    assert got["bf16 cast"].crossover_gbps == math.inf  # fewer bits and a cheaper update
+    assert advise.crossover_text(got["bf16 cast"]) == "any"
+    assert advise.crossover_text(qsgd).startswith("below ")
+
+
+def test_the_recommendation_names_the_shortest_step():
+    timer = rounds_timer({"dense fp32": [0.0] * 3})
+    res = advise.advise(2**20, 8, 1.0, 5.0, 0.05, repeats=3, timer=timer)
+    best = min(res, key=lambda a: a.step_s)
+    text = advise.recommendation(res, 1.0)
+    assert text.startswith(f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32")
+    # A fast network and costly codecs: dense float32, and which method pays first below.
+    costly = rounds_timer(
+        {"dense fp32": [0.0] * 3}
+        | {m: [1.0] * 3 for m in advise.methods("all_gather") if m != "dense fp32"}
+    )
+    res = advise.advise(2**20, 8, 100.0, 5.0, 0.05, repeats=3, timer=costly)
+    text = advise.recommendation(res, 100.0)
+    first = max(res[1:], key=lambda a: a.crossover_gbps)
+    assert text.startswith("Recommendation: dense fp32; no method's step is shorter at 100 Gbit/s")
+    assert f"the first to pay is {first.method}" in text
+
+
+def test_cli_times_the_codecs_and_prints_every_method_and_a_recommendation(capsys):
     code = advise.main(
         ["--params", "8192", "--workers", "4", "--bandwidth-gbps", "1", "--compute-ms", "10",
-         "--repeats", "1"]
+         "--repeats", "2"]
     )  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
     for name in advise.methods("scatter_gather"):
         assert name in out
     assert "8,192 parameters, 4 workers" in out and jax.devices()[0].platform in out
-    assert not math.isnan(float(out.splitlines()[2].split()[-1]))
+    assert not math.isnan(float(out.splitlines()[2].split()[-3]))
+    assert "pays at Gbit/s" in out.splitlines()[1]
+    assert out.splitlines()[-1].startswith(("Recommendation: ", "Within timing noise"))

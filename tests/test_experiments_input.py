@@ -10,7 +10,7 @@ import logging
 import numpy as np
 import pytest
 
-from experiments import config, data, train
+from experiments import config, data, methods, train
 
 # --- every field's type, from Config's annotations ------------------------------------
 
@@ -102,6 +102,47 @@ def test_a_bad_toml_file_is_one_line(text, message, tmp_path, capsys):
 )
 def test_a_bad_file_or_flag_is_one_line(args, message, tmp_path, capsys):
     assert message in _cli_error(args, tmp_path, capsys)
+
+
+@pytest.mark.parametrize(
+    ("method", "message"),
+    [
+        ("compress(qsgd(levels=4), exchange='scatter-gather')", "got 'scatter-gather'"),
+        ("ef(top_k(ratio=0.01), exchange='ring')", "exchange must be one of"),
+        ("diana(qsgd(levels=4), alpah=0.5)", "did you mean 'alpha'?"),
+        ("dianna(qsgd(levels=4))", "unknown method 'dianna' (did you mean 'diana'?)"),
+    ],
+)
+def test_a_bad_method_argument_is_one_line(method, message, tmp_path, capsys):
+    err = _cli_error(["--task", "logreg", "--method", method], tmp_path, capsys)
+    assert message in err and method in err
+
+
+def test_an_error_found_when_the_run_is_built_writes_nothing(tmp_path, capsys):
+    err = _cli_error(["--task", "logreg", "--batch-size", "100000"], tmp_path, capsys)
+    assert "batch_size=100000 exceeds" in err
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("dianna(qsgd(levels=4))", "unknown method 'dianna' (did you mean 'diana'?)"),
+        ("powersgd_(2)", "unknown method 'powersgd_' (did you mean 'powersgd'?)"),
+        ("diana(qsdg(levels=4))", "'qsdg' is not a compressor (did you mean 'qsgd'?)"),
+        ("qsgd(level=4)", "unexpected keyword argument 'level' (did you mean 'levels'?)"),
+        ("dgc(ratoi=0.1)", "dgc got an unexpected keyword argument 'ratoi' (did you mean 'ratio"),
+        ("powersgd(rnak=2)", "did you mean 'rank'?"),
+    ],
+)
+def test_misspelled_names_get_a_did_you_mean(spec, message):
+    with pytest.raises(ValueError) as err:
+        methods.parse(spec)
+    assert message in str(err.value) and "keyword arguments only" not in str(err.value)
+
+
+def test_a_known_name_given_a_positional_argument_still_says_keywords_only():
+    with pytest.raises(ValueError, match="powersgd takes keyword arguments only"):
+        methods.parse("powersgd(2)")
 
 
 # --- workers that do not divide the data -------------------------------------------------
