@@ -38,9 +38,11 @@ PowerSGD has a matrix to factor.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -199,8 +201,9 @@ def time_updates(
 
     The update is timed on :func:`sample_tree` and scaled by size.  Each of
     ``repeats`` rounds runs every transformation once, in an order rotated
-    by one each round, after one untimed call of each (compilation), so that
-    the methods' times in one round are taken under the same load.  Calls
+    by one each round, after one untimed call of each (the compilations run
+    in parallel threads first), so that the methods' times in one round are
+    taken under the same load.  Calls
     cycle through copies of the gradients and states that together exceed
     ``COLD_BYTES``, so that, as a model's gradient would be, they are not
     in the cache (a 4M-entry sample timed on one copy ran at a third of
@@ -226,13 +229,17 @@ def time_updates(
         }
         for row in keys
     ]
-    calls = {}
-    for name, tx in txs.items():
-        init = jax.jit(jax.vmap(tx.init))
-        step = jax.jit(jax.vmap(tx.update, axis_name=AXIS))
-        calls[name] = [functools.partial(step, g, init(g)) for g in grads]
-        jax.block_until_ready(calls[name][0]())  # compile
+
+    def prepare(tx: optax.GradientTransformation) -> list[Callable[[], Any]]:
+        states = [jax.jit(jax.vmap(tx.init))(g) for g in grads]
+        step = jax.jit(jax.vmap(tx.update, axis_name=AXIS)).lower(grads[0], states[0]).compile()
+        return [functools.partial(step, g, state) for g, state in zip(grads, states, strict=True)]
+
     names = list(txs)
+    with concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1)) as pool:
+        calls = dict(zip(names, pool.map(prepare, txs.values()), strict=True))  # compiled
+    for name in names:
+        jax.block_until_ready(calls[name][0]())  # an untimed first run
     totals = {name: np.zeros(repeats) for name in names}
     count = 0
     for r in range(repeats):
@@ -292,7 +299,7 @@ def advise(
     *,
     exchange: str = "scatter_gather",
     shared: bool = False,
-    repeats: int = 7,
+    repeats: int = 5,
     sample_entries: int = SAMPLE_ENTRIES,
     clock: str = "wall",
     timer: Callable[..., Mapping[str, Sequence[float]]] = time_updates,
@@ -481,7 +488,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exchange", default="scatter_gather",
                         choices=("scatter_gather", "all_gather"))  # fmt: skip
     parser.add_argument("--shared", action="store_true", help="one medium shared by all workers")
-    parser.add_argument("--repeats", type=_flag(int, 1), default=7, help="timing rounds (7)")
+    parser.add_argument("--repeats", type=_flag(int, 1), default=5, help="timing rounds (5)")
     parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                         help="time by the wall clock, or the process's CPU time (steadier on "
                         "a shared machine, CPU backends only)")  # fmt: skip
