@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import jax
@@ -265,14 +266,16 @@ def all_gather(tree, axis_name: AxisName):
     def gather(x):
         for name in reversed(names):
             x = jax.lax.all_gather(x, name, to=to)
-        return x.reshape((-1, *x.shape[len(names) :]))
+        # The leading size spelled out: -1 cannot be inferred for an empty leaf.
+        return x.reshape((math.prod(x.shape[: len(names)]), *x.shape[len(names) :]))
 
     return jax.tree.map(gather, tree)
 
 
 def all_gather_tiled(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Every worker's ``x`` concatenated along axis 0 (replicated result), in worker order."""
-    return all_gather(x, axis_name).reshape((-1, *x.shape[1:]))
+    gathered = all_gather(x, axis_name)
+    return gathered.reshape((gathered.shape[0] * x.shape[0], *x.shape[1:]))
 
 
 def all_to_all(tree, axis_name: AxisName):

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.flatten_util import ravel_pytree
 
 from compjax.collectives import any_worker, check_worker_local, exchange_round
-from compjax.compressor import raw_key
+from compjax.compressor import check_float32_range, raw_key
 from compjax.exchange import keeps_memory
 from compjax.transforms.buckets import Buckets
 
@@ -294,8 +294,15 @@ def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> jax.Array:
     """Whether any worker's ``arrays`` hold an Inf or NaN (same answer on every worker).
 
     Every transformation calls this first, so it also checks that ``arrays``
-    are each worker's own (:func:`compjax.collectives.check_worker_local`).
+    are each worker's own (:func:`compjax.collectives.check_worker_local`) and
+    no wider than float32 (:func:`compjax.compressor.check_float32_range`).
+
+    Raises:
+      ValueError: a float64 leaf (``jax_enable_x64``), or a leaf already
+        reduced over the workers.
     """
+    for a in arrays:
+        check_float32_range(a.dtype, "the updates")
     check_worker_local(arrays, axis_name)
     return any_worker(~all_finite(arrays), axis_name)
 
