@@ -387,7 +387,8 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
     ints = codes.astype(_vote_dtype(n))
     record("ternaries", ints, "all_reduce", axis_name)
     total = psum(ints, axis_name) if axis_name is not None else ints
-    return scale * total.astype(jnp.float32) / n
+    # total / n first: |total / n| <= 1, so a scale near float32's maximum does not overflow.
+    return scale * (total.astype(jnp.float32) / n)
 
 
 def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:
