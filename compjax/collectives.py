@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import jax
@@ -274,14 +275,16 @@ def all_gather(tree, axis_name: AxisName):
     def gather(x):
         for name in reversed(names):
             x = jax.lax.all_gather(x, name, to=to)
-        return x.reshape((-1, *x.shape[len(names) :]))
+        # The leading size spelled out: -1 cannot be inferred for an empty leaf.
+        return x.reshape((math.prod(x.shape[: len(names)]), *x.shape[len(names) :]))
 
     return jax.tree.map(gather, tree)
 
 
 def all_gather_tiled(x: jax.Array, axis_name: AxisName) -> jax.Array:
     """Every worker's ``x`` concatenated along axis 0 (replicated result), in worker order."""
-    return all_gather(x, axis_name).reshape((-1, *x.shape[1:]))
+    gathered = all_gather(x, axis_name)
+    return gathered.reshape((gathered.shape[0] * x.shape[0], *x.shape[1:]))
 
 
 def all_to_all(tree, axis_name: AxisName):
@@ -393,7 +396,8 @@ def ternary_mean(codes: jax.Array, scale: jax.Array, axis_name: AxisName) -> jax
     ints = codes.astype(_vote_dtype(n))
     record("ternaries", ints, "all_reduce", axis_name)
     total = psum(ints, axis_name) if axis_name is not None else ints
-    return scale * total.astype(jnp.float32) / n
+    # total / n first: |total / n| <= 1, so a scale near float32's maximum does not overflow.
+    return scale * (total.astype(jnp.float32) / n)
 
 
 def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:

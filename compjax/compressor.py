@@ -49,16 +49,28 @@ from compjax.numerics import divide, ldexp, round_to, to_dtype, unit_scale
 from compjax.payload import Payload
 
 
+def check_float32_range(dtype, name: str = "x") -> None:
+    """Refuse a dtype wider than float32 (float64 under ``jax_enable_x64``).
+
+    compjax computes in float32, so float64 values outside its range would
+    silently become 0 or Inf; every compressor and transformation raises
+    this same error instead.
+
+    Raises:
+      ValueError: ``dtype`` is wider than 4 bytes (the message names ``name``).
+    """
+    if jnp.dtype(dtype).itemsize > 4:
+        raise ValueError(
+            f"{name} must be float32, bfloat16 or float16, got {jnp.dtype(dtype)} "
+            f"(jax_enable_x64): compjax compresses in float32; cast the gradients to float32 first"
+        )
+
+
 def _check_input(x) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x must be a floating point array, got dtype {x.dtype}")
-    if x.dtype.itemsize > 4:
-        # Computation is in float32: float64 values outside its range would become 0 or Inf.
-        raise ValueError(
-            f"x must be float32, bfloat16 or float16, got {x.dtype} (jax_enable_x64): "
-            f"compjax compresses in float32; cast the gradients to float32 first"
-        )
+    check_float32_range(x.dtype)
     return x
 
 

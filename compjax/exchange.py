@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from compjax import collectives
 from compjax.collectives import AxisName, num_workers, record, worker_index
 from compjax.compressor import Compressor
+from compjax.numerics import to_dtype
 from compjax.payload import Payload
 
 KINDS = ("all_gather", "scatter_gather")
@@ -207,23 +208,104 @@ def compressed_mean(
         return Exchanged(mean=local, local=local, memory=memory)
     if fast:
         slow = tuple(a for a in names if a not in fast)
-        total, local, memory = _hierarchical(comp, key, x, memory, slow, fast, exchange.kind)
+        mean, local, memory = _rescaled_if_overflow(
+            lambda xs, ms: _hierarchical(comp, key, xs, ms, slow, fast, exchange.kind), x, memory, n
+        )
     elif _summable(comp):
-        total, local = _summed(comp, key, x.reshape(-1), names, n)
+        mean, local = _summed(comp, key, x.reshape(-1), names, n)
     elif comp.linear or exchange.kind == "all_gather":
-        total, local = _gathered(comp, key, x, names, n)
+        mean, local = _gathered(comp, key, x, names, n)
     else:
         flat_memory = None if memory is None else memory.reshape(-1)
-        total, local, memory = _scatter_gather(comp, key, x.reshape(-1), flat_memory, names, n)
-    as_x = lambda a: None if a is None else a.reshape(x.shape).astype(x.dtype)  # noqa: E731
+        mean, local, memory = _rescaled_if_overflow(
+            lambda xs, ms: _scatter_gather(comp, key, xs, ms, names, n),
+            x.reshape(-1),
+            flat_memory,
+            n,
+        )
+    # Saturating cast: a float32 mean at float32's maximum is not bfloat16's Inf.
+    as_x = lambda a: None if a is None else to_dtype(a.reshape(x.shape), x.dtype)  # noqa: E731
     # The memory keeps the precision it was computed in (float32 for a bfloat16 x):
     # rounding it to x's dtype would drop small residuals every step.
     memory = None if memory is None else memory.reshape(x.shape)
-    return Exchanged(mean=as_x(total / n), local=as_x(local), memory=memory)
+    return Exchanged(mean=as_x(mean), local=as_x(local), memory=memory)
 
 
-def decoded_sum(comp: Compressor, gathered: Payload, n: int) -> jax.Array:
-    """``sum_i comp.decompress(gathered[i])`` over the ``n`` gathered payloads, in float32.
+#: Extra binades of headroom when a whole exchange is run again pre-scaled: a lossy
+#: compressor's decode can exceed its input's largest entry (QSGD's levels reach
+#: ``||x||``, up to ``sqrt(d) max|x|``), and its sums with it.
+HEADROOM = 32
+
+
+def _prescale(n: int, headroom: int = 0) -> tuple[float, float]:
+    """``(2**-k, 2**k / n)`` with ``2**k`` the power of two ``>= n``, times ``2**headroom``.
+
+    A sum of ``n`` float32 values each at most float32's largest value can
+    overflow though their mean cannot; the same sum of the values times
+    ``2**-k`` (an exact scaling) cannot, and times ``2**k / n`` it is the mean.
+    """
+    k = max(0, math.ceil(math.log2(n))) + headroom
+    return 2.0**-k, 2.0**k / n
+
+
+def _scaled_back(a: jax.Array, factor: float) -> jax.Array:
+    """``a * factor`` in float32, saturating at float32's largest value where ``a`` is finite
+    (an Inf or NaN in ``a`` is kept as it is)."""
+    top = float(jnp.finfo(jnp.float32).max)
+    a = a.astype(jnp.float32)
+    return jnp.where(jnp.isfinite(a), jnp.clip(a * factor, -top, top), a)
+
+
+def _mean(total: jax.Array, rescaled, n: int) -> jax.Array:
+    """``total / n`` of the float32 sum ``total`` over ``n`` workers, without overflow.
+
+    Where the sum overflowed (it is exact, bit for bit, wherever it did
+    not), ``rescaled(2**-k)``, the same sum of the workers' values times
+    ``2**-k`` (:func:`_prescale`), times ``2**k / n``: only on steps where
+    some entry overflowed (``lax.cond``; nothing extra is sent otherwise, and
+    a resent message is not logged as traffic).
+    """
+    down, up = _prescale(n)
+    plain = total / n
+
+    def fallback():
+        with collectives.unrecorded():
+            again = _scaled_back(rescaled(down), up)
+        return jnp.where(jnp.isfinite(total), plain, again)
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(total)), lambda: plain, fallback)
+
+
+def _rescaled_if_overflow(run, x: jax.Array, memory, n: int):
+    """A whole exchange ``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory)``.
+
+    If its float32 sum overflows anywhere, the exchange is run again on ``x``
+    and ``memory`` times ``2**-(k + HEADROOM)`` (:func:`_prescale`, exact
+    except that entries below about ``2**(-94 + k)`` flush to zero; no
+    headroom for float16) and its
+    results scaled back (the mean by ``2**(k + HEADROOM) / n``, ``local`` and
+    the memory by ``2**(k + HEADROOM)``, saturating at float32's largest value).
+    """
+    total, local, new_memory = run(x, memory)
+    # float16's narrow exponent has no room for the headroom (and its decodes saturate at 65504).
+    wide = jnp.finfo(x.dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
+    down, up = _prescale(n, HEADROOM if wide else 0)
+
+    def fallback():
+        with collectives.unrecorded():
+            ms = None if memory is None else memory * down
+            t, lo, m = run(x * jnp.asarray(down, x.dtype), ms)
+        scale = 1.0 / down
+        lo = _scaled_back(lo, scale).astype(local.dtype)
+        m = None if m is None else _scaled_back(m, scale).astype(new_memory.dtype)
+        return _scaled_back(t, up), lo, m
+
+    plain = (total / n, local, new_memory)
+    return jax.lax.cond(jnp.all(jnp.isfinite(total)), lambda: plain, fallback)
+
+
+def decoded_sum(comp: Compressor, gathered: Payload, n: int, scale: float = 1.0) -> jax.Array:
+    """``sum_i scale comp.decompress(gathered[i])`` over the ``n`` gathered payloads, in float32.
 
     The messages are decoded and added one worker at a time, so one decoded
     message is in memory rather than ``n``, and the sum is a chain of
@@ -233,25 +315,34 @@ def decoded_sum(comp: Compressor, gathered: Payload, n: int) -> jax.Array:
     the adds: see ``make bench``.)
     """
 
-    def add(i, total):
-        one = jax.tree.map(lambda a: a[i], gathered)
-        return total + comp.decompress(one).astype(jnp.float32)
+    def decoded(i):
+        one = comp.decompress(jax.tree.map(lambda a: a[i], gathered)).astype(jnp.float32)
+        return one if scale == 1.0 else one * scale
 
-    first = comp.decompress(jax.tree.map(lambda a: a[0], gathered)).astype(jnp.float32)
-    return jax.lax.fori_loop(1, n, add, first, unroll=UNROLL_WORKERS)
+    def add(i, total):
+        return total + decoded(i)
+
+    return jax.lax.fori_loop(1, n, add, decoded(0), unroll=UNROLL_WORKERS)
 
 
 def _gathered(comp, key, x, names, n):
-    """All-gather (or, for a linear compressor, psum): ``(sum over workers, own decoded)``."""
+    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own decoded)``."""
     if comp.linear:
-        payload = comp.compress(key, x)
-        record("payload", payload, "all_reduce", names)
-        summed = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
-        return comp.decompress(summed).astype(jnp.float32), comp.decompress(payload)
+
+        def summed(scale):
+            payload = comp.compress(key, x if scale == 1.0 else x * jnp.asarray(scale, x.dtype))
+            record("payload", payload, "all_reduce", names)
+            total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
+            return comp.decompress(total).astype(jnp.float32), payload
+
+        total, payload = summed(1.0)
+        # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
+        return _mean(total, lambda s: summed(s)[0], n), comp.decompress(payload)
     payload = comp.compress(collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
-    total = decoded_sum(comp, collectives.all_gather(payload, names), n)
-    return total, comp.decompress(payload)
+    gathered = collectives.all_gather(payload, names)
+    total = decoded_sum(comp, gathered, n)
+    return _mean(total, lambda s: decoded_sum(comp, gathered, n, s), n), comp.decompress(payload)
 
 
 def _summable(comp: Compressor) -> bool:
@@ -260,14 +351,16 @@ def _summable(comp: Compressor) -> bool:
 
 
 def _summed(comp, key, flat, names, n):
-    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(sum, own decoded)``."""
+    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``."""
     scale = collectives.pmax(comp.scale_of(flat), names)
     record("scale", scale, "all_reduce", names)
     words = comp.encode_words(collectives.worker_key(key, names), flat, scale, n)
     record("payload", words, "all_reduce", names)
     d = flat.shape[0]
-    total = comp.decode_words(collectives.psum(words, names), scale, n, n, d)
-    return total, comp.decode_words(words, scale, 1, n, d)
+    summed = collectives.psum(words, names)
+    total = comp.decode_words(summed, scale, n, n, d)
+    mean = _mean(total, lambda s: comp.decode_words(summed, scale * s, n, n, d), n)
+    return mean, comp.decode_words(words, scale, 1, n, d)
 
 
 def _pad(flat: jax.Array, size: int) -> jax.Array:

@@ -16,6 +16,8 @@ can pick between the values the receiver will actually decode to.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +119,28 @@ def round_up_to(y: jax.Array, dtype) -> jax.Array:
     near = to_dtype(y, dtype)
     up = jnp.nextafter(near, jnp.asarray(jnp.finfo(dtype).max, dtype))
     return jnp.where(near.astype(jnp.float32) < y, up, near).astype(jnp.float32)
+
+
+def mean_of_sum(total: jax.Array, resum, n: int) -> jax.Array:
+    """``total / n`` for ``total``, a sum of ``n`` finite terms, without overflow.
+
+    Terms each at most their dtype's largest value can sum to Inf though
+    their mean is finite.  Where any entry of ``total`` is not finite,
+    ``resum(2.0**-k)`` (the same sum of every term times ``2**-k``, with
+    ``2**k >= n`` the smallest such power of two: an exact scaling, whose sum
+    cannot overflow) is taken instead, times ``2**k / n`` in float32,
+    saturating at ``total``'s dtype's largest value.  Otherwise the result is
+    ``total / n`` bit for bit.  ``resum`` runs only on such steps
+    (``lax.cond`` on ``total``, which must be the same on every worker: a
+    reduced value); a term that is itself Inf or NaN keeps the result
+    non-finite.
+    """
+    k = max(0, math.ceil(math.log2(n)))
+
+    def rescaled():
+        scaled = jnp.asarray(resum(2.0**-k)).astype(jnp.float32)
+        top = float(jnp.finfo(total.dtype).max)
+        mean = jnp.clip(scaled * (2.0**k / n), -top, top)
+        return jnp.where(jnp.isfinite(scaled), mean, scaled).astype(total.dtype)
+
+    return jax.lax.cond(jnp.all(jnp.isfinite(total)), lambda: total / n, rescaled)

@@ -98,6 +98,9 @@ class Atomo(Compressor):
         safe = jnp.minimum(idx, max(d - 1, 0))
         used = idx < d
         values = jnp.where(used, flat[safe] / jnp.where(used, p[safe], 1.0), 0.0)
+        # x_i / p_i beyond float32's range saturates (finite, biased there) rather than Inf.
+        top = float(jnp.finfo(jnp.float32).max)
+        values = jnp.where(jnp.isfinite(flat[safe]), jnp.clip(values, -top, top), values)
         if np.dtype(dtype).itemsize < 4:  # decoding rounds: round onto the grid here, unbiased
             values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
         if d:  # an Inf/NaN has no probability to be kept with: send NaN (to entry 0) instead

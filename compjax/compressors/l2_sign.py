@@ -12,11 +12,27 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, safe_norm
+from compjax.compressor import Compressor
 from compjax.compressors.sign import sign_bits, sign_values
+from compjax.numerics import ldexp, unit_scale
+
+
+def rms(flat: jax.Array) -> jax.Array:
+    """``||x||_2 / sqrt(d)`` of a non-empty 1-D array, finite for every finite ``x``.
+
+    Computed as ``2**e (||x 2**-e|| / sqrt(d))`` with ``2**e <= max|x| <
+    2**(e+1)`` (an exact scaling, :func:`compjax.numerics.unit_scale`) and
+    capped at ``max|x|``, which it never exceeds: ``||x||_2`` itself overflows
+    for 13 entries of ``1e38`` although their root mean square is ``1e38``.
+    """
+    top = jnp.max(jnp.abs(flat), initial=0.0)
+    e, _ = unit_scale(top)
+    unit = jnp.sqrt(jnp.sum(jnp.square(ldexp(flat, -e)))) / math.sqrt(flat.shape[0])
+    return jnp.minimum(ldexp(unit, e), top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +45,7 @@ class L2ScaledSign(Compressor):
         signs = packing.pack(sign_bits(flat), 1)
         if not flat.size:
             return {"scale": jnp.float32(0.0), "signs": signs}, {}
-        return {"scale": safe_norm(flat) / math.sqrt(flat.size), "signs": signs}, {}
+        return {"scale": rms(flat), "signs": signs}, {}
 
     def decode(self, wire, side, n, dtype):
         return wire["scale"] * sign_values(packing.unpack(wire["signs"], 1, n))

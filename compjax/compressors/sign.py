@@ -33,15 +33,18 @@ def mean_abs(flat: jax.Array) -> jax.Array:
     loses nothing to underflow); otherwise (it overflowed, or ``x`` holds an
     Inf or NaN) ``2**e mean(|x 2**-e|)`` with ``2**e <= max|x| < 2**(e+1)``, an
     exact scaling (:func:`compjax.numerics.unit_scale`; dividing by ``max|x|``
-    would flush to zero), two passes.
+    would flush to zero), two passes, capped at ``max|x|`` (which the mean
+    never exceeds; the rounded mean of entries at float32's maximum would
+    otherwise round up to ``2**128``, Inf).
     """
     total = jnp.sum(jnp.abs(flat))
 
     def scaled():
-        e, _ = unit_scale(jnp.max(jnp.abs(flat), initial=0.0))
+        top = jnp.max(jnp.abs(flat), initial=0.0)
+        e, _ = unit_scale(top)
         # |x 2**-e| rather than |x| 2**-e (same values): no full-size |x| shared
         # by two reductions, which XLA would materialise.
-        return ldexp(jnp.mean(jnp.abs(ldexp(flat, -e))), e)
+        return jnp.minimum(ldexp(jnp.mean(jnp.abs(ldexp(flat, -e))), e), top)
 
     return jax.lax.cond(jnp.isfinite(total), lambda: total / flat.size, scaled)
 

@@ -28,14 +28,16 @@ flag per step is reduced with ``pmax``), the transformation returns an update
 of NaNs on every worker and keeps its whole state (error memory, shifts, key)
 unchanged.  Nothing is silently poisoned (top-k could otherwise drop the NaN
 from the message while keeping it in the memory), and ``optax.apply_if_finite``
-then skips the step cleanly.
+then skips the step cleanly.  The same flag refuses a step whose finite input
+would leave a non-finite update or state (float32 overflowing on gradients
+near its largest value, e.g. an error memory ``x + e`` beyond ``3.4e38``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,14 @@ import optax
 from flax import nnx
 from jax.flatten_util import ravel_pytree
 
-from compjax.collectives import any_worker, check_worker_local, exchange_round
-from compjax.compressor import raw_key
+from compjax.collectives import (
+    any_worker,
+    check_worker_local,
+    exchange_round,
+    record,
+    unrecorded,
+)
+from compjax.compressor import check_float32_range, raw_key
 from compjax.exchange import keeps_memory
 from compjax.transforms.buckets import Buckets
 
@@ -349,18 +357,54 @@ def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
 
 
-def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> jax.Array:
-    """Whether any worker's ``arrays`` hold an Inf or NaN (same answer on every worker).
+class Check(NamedTuple):
+    """What :func:`any_non_finite` found, for :func:`guarded` to decide the step by.
+
+    Attributes:
+      local: whether this worker's input holds an Inf or NaN (not yet reduced).
+      axis_name: the workers' axes, over which :func:`guarded` reduces.
+    """
+
+    local: jax.Array
+    axis_name: Any
+
+
+def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> Check:
+    """Whether this worker's ``arrays`` hold an Inf or NaN, for :func:`guarded`.
 
     Every transformation calls this first, so it also checks that ``arrays``
-    are each worker's own (:func:`compjax.collectives.check_worker_local`).
+    are each worker's own (:func:`compjax.collectives.check_worker_local`) and
+    no wider than float32 (:func:`compjax.compressor.check_float32_range`).
+    The step's one 8-bit flag is logged here (the first message of a round)
+    and reduced over the workers in :func:`guarded`, once the step's updates
+    and state are known.
+
+    Raises:
+      ValueError: a float64 leaf (``jax_enable_x64``), or a leaf already
+        reduced over the workers.
     """
+    for a in arrays:
+        check_float32_range(a.dtype, "the updates")
     check_worker_local(arrays, axis_name)
-    return any_worker(~all_finite(arrays), axis_name)
+    local = ~all_finite(arrays)
+    record("flag", local.astype(jnp.int8), "all_reduce", axis_name)
+    return Check(local, axis_name)
 
 
-def guarded(bad: jax.Array, out: list[jax.Array], new_state: Any, old_state: Any):
-    """NaN updates and the old state where ``bad``; else the new ones."""
+def guarded(check: Check, out: list[jax.Array], new_state: Any, old_state: Any):
+    """NaN updates and the old state if the step is refused; else the new ones.
+
+    A step is refused (on every worker: one 8-bit ``pmax``) if any worker's
+    input holds an Inf or NaN, or if finite input would leave a non-finite
+    update or a non-finite value in the new state (float32 overflowing on
+    the largest finite gradients): persistent state is never poisoned, and
+    ``optax.apply_if_finite`` skips the step.
+    """
+    floats = [
+        a for a in list(out) + jax.tree.leaves(new_state) if jnp.issubdtype(a.dtype, jnp.floating)
+    ]
+    with unrecorded():  # logged by any_non_finite
+        bad = any_worker(check.local | ~all_finite(floats), check.axis_name)
     out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
     return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)
 

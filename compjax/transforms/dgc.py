@@ -30,8 +30,10 @@ import optax
 
 from compjax import collectives
 from compjax.collectives import AxisName
+from compjax.compressor import safe_norm
 from compjax.compressors.sparse import top_k
 from compjax.exchange import Exchange, as_exchange, compressed_mean
+from compjax.numerics import mean_of_sum
 from compjax.payload import Payload
 from compjax.transforms.base import (
     Leaves,
@@ -102,7 +104,9 @@ def _clip(g: jax.Array, opts: _Options, n: int) -> jax.Array:
     if opts.clip_norm is None:
         return g
     limit = opts.clip_norm / math.sqrt(n)
-    norm = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32))))
+    # Scaled by a power of two first: sum(g**2) overflows for entries beyond 1.8e19 (the
+    # norm would be Inf and the gradient clipped to zero).
+    norm = safe_norm(g.astype(jnp.float32))
     scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
     return (g * scale).astype(g.dtype)
 
@@ -129,8 +133,17 @@ def _dense(g, u, opts: _Options, n: int):
     u, v = _accumulate(g, u, jnp.zeros_like(g), opts)
     v = v.astype(g.dtype)  # sent in the gradient's dtype
     collectives.record("dense", v, "all_reduce", opts.axis_name)
-    total = collectives.psum(v, opts.axis_name) if opts.axis_name is not None else v
-    return (total / n).astype(g.dtype), u
+    if opts.axis_name is None:
+        return v, u
+
+    # Near the dtype's largest value the sum overflows though the mean does not: resent
+    # pre-scaled by a power of two on such steps (mean_of_sum).
+    def resum(scale):
+        return collectives.psum(
+            v if scale == 1.0 else v * jnp.asarray(scale, v.dtype), opts.axis_name
+        )
+
+    return mean_of_sum(resum(1.0), resum, n).astype(g.dtype), u
 
 
 def _select(v, k, step, opts: _Options) -> Selection:
@@ -170,9 +183,13 @@ def _sparse(v, u, ratio, step, opts: _Options, n: int, wire_dtype):
     )
     collectives.record("payload", payload, "all_gather", opts.axis_name)
     wire = _gather(payload, opts.axis_name).wire
-    total = jnp.zeros((d,), jnp.float32).at[wire["indices"].reshape(-1)]
-    total = total.add(wire["values"].reshape(-1).astype(jnp.float32), mode="drop")
-    mean = (total / n).astype(wire_dtype).reshape(v.shape)
+    indices, sent = wire["indices"].reshape(-1), wire["values"].reshape(-1).astype(jnp.float32)
+
+    def resum(scale):  # the sum of every worker's values, times scale (exact: a power of two)
+        scaled = sent if scale == 1.0 else sent * scale
+        return jnp.zeros((d,), jnp.float32).at[indices].add(scaled, mode="drop")
+
+    mean = mean_of_sum(resum(1.0), resum, n).astype(wire_dtype).reshape(v.shape)
     residual = picked - values.astype(flat.dtype)
     v = flat.at[sel.indices].set(residual, mode="drop").reshape(v.shape)
     if u is not None and opts.momentum_masking:

@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, num_workers, psum, record, unrecorded
+from compjax.collectives import AxisName, num_workers, pmax, psum, record, unrecorded
+from compjax.numerics import exponent, ldexp, mean_of_sum, to_dtype, unit_scale
 from compjax.transforms.base import (
     Leaves,
+    all_finite,
     any_non_finite,
     check_state_dtype,
     counted,
@@ -80,14 +82,27 @@ def compressible(shape, rank: int, min_compression_rate: float, channels_last: b
     return (rows + cols) * r * min_compression_rate < rows * cols
 
 
+def _unit(col: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(e, col 2**-e)`` with ``2**e <= max|col| < 2**(e+1)``: an exact scaling."""
+    e, _ = unit_scale(jnp.max(jnp.abs(col), initial=0.0))
+    return e, ldexp(col, -e)
+
+
 def orthogonalize(m: jax.Array, epsilon: float = 0.0) -> jax.Array:
-    """Gram-Schmidt on the columns of ``m`` (as PyTorch's hook); a zero column stays zero."""
+    """Gram-Schmidt on the columns of ``m`` (as PyTorch's hook); a zero column stays zero.
+
+    Each column is scaled by a power of two (exact, :mod:`compjax.numerics`)
+    before its projections and again before its norm, with ``epsilon``
+    scaled alike: the same result, but the norm of entries beyond ``1.8e19``
+    no longer overflows (which made the column, and the update, zero).
+    """
     cols = []
     for i in range(m.shape[1]):
-        col = m[:, i]
+        _, col = _unit(m[:, i])
         for prev in cols:
             col = col - jnp.dot(prev, col) * prev
-        norm = jnp.linalg.norm(col) + epsilon
+        e, col = _unit(col)
+        norm = jnp.linalg.norm(col) + ldexp(jnp.float32(epsilon), -e)
         cols.append(jnp.where(norm > 0, col / jnp.where(norm > 0, norm, 1.0), 0.0))
     return jnp.stack(cols, axis=1) if cols else m
 
@@ -185,20 +200,48 @@ def powersgd(
         return PowerSGDState(count=jnp.zeros([], jnp.int32), error=error, q=q)
 
     def dense_mean(g, n):
-        record("dense", g.astype(jnp.float32), "all_reduce", axis_name)
-        return (psum(g.astype(jnp.float32), axis_name) / n).astype(g.dtype)
+        g32 = g.astype(jnp.float32)
+        record("dense", g32, "all_reduce", axis_name)
+        resum = lambda s: psum(g32 if s == 1.0 else g32 * s, axis_name)  # noqa: E731
+        return mean_of_sum(resum(1.0), resum, n).astype(g.dtype)  # no overflow near the maximum
+
+    def factors(m, q, n):
+        """``P`` (orthonormal), the mean ``Q`` of ``m``, and whether their sums were finite."""
+        p = (m @ q).astype(jnp.float32)  # P and Q travel in float32 whatever e's dtype
+        record("P", p, "all_reduce", axis_name)
+        total_p = psum(p, axis_name)
+        p = orthogonalize(total_p, orthogonalization_epsilon)
+        q_new = (m.T @ p).astype(jnp.float32)
+        record("Q", q_new, "all_reduce", axis_name)
+        total_q = psum(q_new, axis_name)
+        return p, total_q / n, all_finite([total_p, total_q])
+
+    def rescaled(m, q, n):
+        """:func:`factors` of ``M 2**-a`` and ``Q`` scaled into ``[1, 2)`` (exact scalings,
+        ``2**a <= max_i max|M_i|`` shared by every worker): ``(P, Q 2**-a, a)``.
+
+        ``P`` does not change with the scaling and the mean ``Q`` is ``2**-a``
+        times the true one, but no sum overflows for finite ``M``.
+        """
+        a = jnp.clip(exponent(pmax(jnp.max(jnp.abs(m), initial=0.0), axis_name)), -126, 126)
+        p, q_scaled, _ = factors(ldexp(m, -a), _unit(q)[1], n)
+        return p, q_scaled, a
 
     def low_rank(g, e, q, n):
         rows, cols = matrix_view(g.shape, channels_last)
         m = g.reshape(rows, cols).astype(jnp.float32) + e.reshape(rows, cols)
-        p = (m @ q).astype(jnp.float32)  # P and Q travel in float32 whatever e's dtype
-        record("P", p, "all_reduce", axis_name)
-        p = orthogonalize(psum(p, axis_name), orthogonalization_epsilon)
-        q_new = (m.T @ p).astype(jnp.float32)
-        record("Q", q_new, "all_reduce", axis_name)
-        q_new = psum(q_new, axis_name) / n
-        # The update as delivered (in g's dtype): what it rounds away stays in the memory.
-        approx = (p @ q_new.T).astype(g.dtype)
+        p, q_new, finite = factors(m, q, n)
+        # Where the sums overflowed float32 (gradients near its largest value, or a
+        # warm-started Q as large as them), again on scaled M and Q, on such steps only.
+        # The mean Q is kept scaled: the warm start uses only its direction.
+        with unrecorded():
+            p, q_new, a = jax.lax.cond(
+                finite, lambda: (p, q_new, jnp.int32(0)), lambda: rescaled(m, q, n)
+            )
+        # The update as delivered (in g's dtype, saturating at its largest value: the product
+        # can round past it): what it rounds away stays in the memory.
+        top = float(jnp.finfo(jnp.float32).max)
+        approx = to_dtype(jnp.clip(ldexp(p @ q_new.T, a), -top, top), g.dtype)
         residual = (m - approx) if error_feedback else jnp.zeros_like(m)
         return approx.reshape(g.shape), residual.reshape(e.shape), q_new
 
