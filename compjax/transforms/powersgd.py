@@ -236,7 +236,10 @@ def powersgd(
         # The mean Q is kept scaled: the warm start uses only its direction.
         with unrecorded():
             p, q_new, a = jax.lax.cond(
-                finite, lambda: (p, q_new, jnp.int32(0)), lambda: rescaled(m, q, n)
+                finite,
+                # (0 with finite's varying axes: on model-sharded params both vary over them)
+                lambda: (p, q_new, finite.astype(jnp.int32) * 0),
+                lambda: rescaled(m, q, n),
             )
         # The update as delivered (in g's dtype, saturating at its largest value: the product
         # can round past it): what it rounds away stays in the memory.
