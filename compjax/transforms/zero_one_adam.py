@@ -25,8 +25,31 @@ synchronisations and step their own parameters apart until the next one;
 compjax's transformations keep the parameters replicated, so this is 0/1
 Adam with a synchronisation at every step (``local_step_clipper = 1``, under
 which DeepSpeed's frozen phase reduces to the same 1-bit momentum exchange).
-DeepSpeed's first ``step()`` call only allocates its buffers; here the first
-step is a real one.
+
+**Where compjax departs from DeepSpeed's ``ZeroOneAdam``** (tested against a
+transcription of its ``step`` in ``tests/test_zero_one_adam.py``):
+
+* *The variance steps, shifted by one.*  DeepSpeed's first ``step()`` call
+  only allocates its buffers and discards its gradient, but counts as step 1,
+  and its schedule runs on that count: fed the same gradients (``kappa = 2``,
+  ``var_freeze_step = 12``) it updates the variance on the gradients 1, 2, 3,
+  5, 7, 11 and freezes from 13, where compjax's default does on 1, 2, 4, 6,
+  8, 12 and freezes from 14.  ``schedule="deepspeed"`` gives DeepSpeed's
+  steps; no other setting does.
+* *What the frozen phase compresses.*  compjax compresses each worker's
+  momentum ``b1 m + (1 - b1) g_i`` plus its error, in gradient units; the
+  learning rate and weight decay (``optax.add_decayed_weights``) are applied
+  to the direction afterwards and never enter ``m`` or the error buffers.
+  DeepSpeed compresses ``-lr (m_i / (sqrt(v) + eps) + wd p) (sqrt(v) + eps)``
+  (its buffer for the paper's ``u``: learning-rate units, weight decay
+  inside) plus an error kept in those units, and sets ``m`` to minus the
+  decoded mean over ``lr``, weight-decay term included.  The two agree while
+  the learning rate is constant and ``wd = 0`` (the scaled sign is positively
+  homogeneous); after a change of learning rate DeepSpeed's error buffer
+  carries the earlier rates into the next messages, and with weight decay
+  its momentum carries ``wd p (sqrt(v) + eps)``.  DeepSpeed's form is not
+  offered: compjax's frozen phase is 1-bit Adam's compression stage, with
+  the learning rate chained after it as for every optax transformation.
 
 References:
   Lu, Li, Zhang, Tang, Awan, He, "Maximizing Communication Efficiency for
