@@ -233,7 +233,38 @@ def check_worker_local(arrays, axis_name: AxisName) -> None:
                 f"over the workers (under shard_map, the gradient of a replicated input is), "
                 f"so compressing it would apply it {num_workers(missing[0])} times over and "
                 f"save nothing. Differentiate compjax.worker_params(params, {axis_name!r}) "
-                f"instead of params, so each worker keeps its own gradient"
+                f"instead of params, so each worker keeps its own gradient (with Flax NNX: "
+                f"compjax.nnx.value_and_grad(loss_fn, {axis_name!r}) in place of "
+                f"nnx.value_and_grad or nnx.grad)"
+            )
+
+
+def check_local_loss(loss, axis_name: AxisName) -> None:
+    """Refuse a loss already reduced over the workers (a ``pmean`` inside the loss).
+
+    Under ``shard_map`` (``check_vma=True``) each worker's loss of its own
+    params (:func:`worker_params`) varies over ``axis_name``.  A loss that
+    does not was reduced over the workers inside the loss function: the
+    gradient of ``pmean(loss)`` is each worker's gradient divided by ``n``,
+    so the step would be ``1/n`` of the intended one, silently.  Nothing is
+    checked under ``pmap``, ``vmap`` or ``check_vma=False``.
+
+    Raises:
+      ValueError: a leaf of ``loss`` does not vary over an axis of ``axis_name``.
+    """
+    names = _bound_names(axis_name)
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    if not names or not set(names) <= manual or not _tracks_variation(names[0]):
+        return
+    for leaf in jax.tree.leaves(loss):
+        missing = [a for a in names if a not in _varying(leaf)]
+        if missing:
+            raise ValueError(
+                f"the loss does not vary over axis {missing[0]!r}: it is already reduced over "
+                f"the workers (a jax.lax.pmean or psum inside the loss function), so its "
+                f"gradient is each worker's divided by {num_workers(missing[0])} (pmean) and "
+                f"the step would be that much too small. Return this worker's local loss, "
+                f"and pmean the reported loss outside the gradient"
             )
 
 

@@ -41,7 +41,7 @@ import jax
 import optax
 from flax import nnx
 
-from compjax.collectives import AxisName, worker_params
+from compjax.collectives import AxisName, check_local_loss, worker_params
 from compjax.transforms.base import NNX_SPEC, state_specs
 
 
@@ -124,6 +124,12 @@ def value_and_grad(
       axis_name: the data-parallel axis.
       wrt: the filter of the variables to differentiate.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Raises:
+      ValueError: (under ``shard_map``) the loss does not vary over
+        ``axis_name``: ``loss_fn`` reduced it over the workers (a ``pmean``
+        inside it would make the step ``1/n`` of the intended one); return
+        the worker's local loss and ``pmean`` the reported value afterwards.
     """
     grad_fn = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)
 
@@ -131,8 +137,10 @@ def value_and_grad(
         shared = nnx.as_pure(nnx.state(model, wrt))
         nnx.update(model, worker_params(shared, axis_name))
         try:
-            return grad_fn(model, *args, **kwargs)
+            value, grads = grad_fn(model, *args, **kwargs)
         finally:
             nnx.update(model, shared)
+        check_local_loss(value[0] if has_aux else value, axis_name)
+        return value, grads
 
     return worker_value_and_grad

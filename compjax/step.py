@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from compjax.collectives import worker_params
+from compjax.collectives import check_local_loss, worker_params
 from compjax.transforms.base import state_specs
 
 
@@ -43,7 +43,8 @@ def data_parallel(
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar``, the mean loss of the
-        batch it is given (each worker is given its own shard).
+        batch it is given (each worker is given its own shard); not reduced
+        over the workers (no ``pmean`` inside: ``step`` averages the loss).
       opt: an optax transformation with compjax parts over ``axis_name``
         (e.g. ``optax.chain(compjax.compress(comp, "data"), optax.sgd(lr))``).
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``), replicated.
@@ -56,7 +57,9 @@ def data_parallel(
       and the loss averaged over workers.
 
     Raises:
-      ValueError: ``axis_name`` is not an axis of ``mesh``.
+      ValueError: ``axis_name`` is not an axis of ``mesh``; or, at the first
+        ``step``, ``loss_fn``'s value does not vary over ``axis_name`` (it was
+        reduced over the workers inside ``loss_fn``).
     """
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
@@ -65,6 +68,7 @@ def data_parallel(
 
     def local_step(p, state, *batch):
         loss, grads = jax.value_and_grad(loss_fn)(worker_params(p, axis_name), *batch)
+        check_local_loss(loss, axis_name)  # a pmean inside loss_fn would make the step 1/n
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, jax.lax.pmean(loss, axis_name)
 

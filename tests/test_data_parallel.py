@@ -51,6 +51,18 @@ def test_lossless_step_on_jit_sharded_arrays_is_pooled_sgd(axis_types):
         np.testing.assert_allclose(params[key], want[key], atol=1e-6)
 
 
+def test_a_loss_reduced_over_the_workers_is_refused():
+    """``pmean`` inside the loss: each worker's gradient would be 1/n of its own (a step of
+    0.125x pooled SGD at 8 workers), silently; the step refuses it and names the fix."""
+    mesh = jax.make_mesh((N,), ("data",))
+    opt = optax.chain(compjax.compress(compjax.identity(), "data"), optax.sgd(0.1))
+    reduced = lambda p, x, y: jax.lax.pmean(loss(p, x, y), "data")  # noqa: E731
+    dp = compjax.data_parallel(reduced, opt, W0, mesh)
+    x, y = next(batches())
+    with pytest.raises(ValueError, match=r"loss does not vary over axis 'data'.*local loss"):
+        dp.step(W0, dp.init(W0), x, y)
+
+
 def test_compressed_step_sends_what_communication_reports():
     mesh = jax.make_mesh((N,), ("data",))
     opt = optax.chain(compjax.error_feedback(compjax.top_k(ratio=0.3), "data"), optax.sgd(0.1))

@@ -117,3 +117,29 @@ def test_check_vma_false_on_the_data_axis_alone_still_works():
         out.append(run(PARAMS, init(PARAMS), x, y)[0])
     for a, b in zip(*(jax.tree.leaves(t) for t in out), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_a_pmean_inside_a_hand_written_loss_makes_the_step_one_nth():
+    """What the README warns of first: ``pmean`` inside the loss divides each worker's
+    gradient by n (0.125x pooled SGD at 8 workers); a hand-written ``jax.grad`` cannot be
+    checked (``compjax.nnx.value_and_grad`` and ``data_parallel`` refuse it)."""
+    mesh = jax.make_mesh((N,), ("data",))
+    opt = optax.chain(compjax.compress(compjax.identity(), "data"), optax.sgd(0.1))
+    specs = compjax.state_specs(jax.eval_shape(opt.init, PARAMS), "data")
+
+    def reduced(p, x, y):
+        return jax.lax.pmean(loss(p, x, y), "data")
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P("data"), P("data")), out_specs=(P(), specs))
+    def step(p, s, x, y):
+        g = jax.grad(reduced)(compjax.worker_params(p, "data"), x, y)
+        u, s = opt.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    init = jax.jit(jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    x, y = data(mesh, P("data"))
+    params, _ = step(PARAMS, init(PARAMS), x, y)
+    g = jax.grad(loss)(PARAMS, np.asarray(x), np.asarray(y))
+    for a, p, gi in zip(*(jax.tree.leaves(t) for t in (params, PARAMS, g)), strict=True):
+        np.testing.assert_allclose(a, p - 0.1 * gi / N, atol=1e-6)

@@ -172,8 +172,30 @@ def test_nnx_grad_without_worker_copy_is_refused():
         return nnx.state((model, optimizer))
 
     shard = jax.NamedSharding(mesh(), P("data"))
-    with pytest.raises(ValueError, match="worker_params"):
+    # The message names both fixes: worker_params, and for NNX compjax.nnx.value_and_grad.
+    with pytest.raises(ValueError, match=r"worker_params.*compjax\.nnx\.value_and_grad"):
         step(state, *(jax.device_put(a, shard) for a in next(batches())))
+
+
+@pytest.mark.parametrize("has_aux", [False, True])
+def test_a_loss_reduced_over_the_workers_is_refused(has_aux):
+    """A pmean inside the loss would make each worker's gradient 1/n of its own, silently."""
+    model = MLP(nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    def pmean_loss(m, x, y):
+        loss = jax.lax.pmean(loss_fn(m, x, y), "data")
+        return (loss, jnp.sum(x)) if has_aux else loss
+
+    @partial(jax.shard_map, mesh=mesh(), in_specs=(P(), P("data"), P("data")), out_specs=P())
+    def run(state, x, y):
+        model = nnx.merge(graphdef, state)
+        compjax.nnx.value_and_grad(pmean_loss, "data", has_aux=has_aux)(model, x, y)
+        return nnx.state(model)
+
+    shard = jax.NamedSharding(mesh(), P("data"))
+    with pytest.raises(ValueError, match=r"loss does not vary over axis 'data'.*local loss"):
+        run(state, *(jax.device_put(a, shard) for a in next(batches())))
 
 
 def test_value_and_grad_restores_the_shared_params_and_reports_aux():

@@ -155,6 +155,53 @@ def test_matches_the_numpy_reference_across_the_freeze(vmapped):
         assert got_err.shape == (N, int(np.prod(shape)))
 
 
+def deepspeed_reference(grads, n, freeze_step, server_stage):
+    """DeepSpeed's ``OnebitAdam`` counting on one flat leaf, written from its ``step``: every
+    call counts, the first only sets up its buffers (its gradient is discarded, no update);
+    then Adam on the averaged gradient until the count reaches ``freeze_step``, then the
+    compression stage with fresh error buffers.
+
+    Returns:
+      The update of every call after the first.
+    """
+    d = grads[0].shape[1]
+    m, v = np.zeros(d), np.zeros(d)
+    err, server = np.zeros((n, d)), np.zeros(d)
+    frozen, updates = False, []
+    for step, g in enumerate(grads, start=1):
+        if step == 1:
+            continue
+        g = np.asarray(g, np.float64)
+        if not frozen:
+            gbar = g.mean(axis=0)
+            m = B1 * m + (1 - B1) * gbar
+            v = B2 * v + (1 - B2) * gbar**2
+        else:
+            m = compressed_allreduce(B1 * m + (1 - B1) * g, err, server, n, server_stage)
+        updates.append(m / (np.sqrt(v) + EPS))
+        if not frozen and step >= freeze_step:
+            frozen, err[:], server[:] = True, 0.0, 0.0
+    return updates
+
+
+def test_freeze_step_is_deepspeeds_freeze_step_plus_one(vmapped):
+    """compjax's ``freeze_step=F`` is DeepSpeed's ``F + 1`` fed one discarded gradient first
+    (F warm-up steps); DeepSpeed's ``F`` warms up F - 1 steps and departs from step F."""
+    exchange, outs, _, _ = vmapped
+    discarded = worker_grads(STEPS)  # DeepSpeed's first step() throws its gradient away
+    for name in PARAMS:
+        flat = [np.asarray(g[name]).reshape(N, -1) for g in [discarded, *GRADS]]
+        got = [np.asarray(o[name])[0].reshape(-1) for o in outs]
+        shifted = deepspeed_reference(flat, N, FREEZE + 1, EXCHANGES[exchange])
+        same_f = deepspeed_reference(flat, N, FREEZE, EXCHANGES[exchange])
+        for t in range(STEPS):
+            np.testing.assert_allclose(got[t], shifted[t], rtol=2e-5, atol=1e-5)
+        for t in range(FREEZE - 1):  # the warm-ups agree up to DeepSpeed's last
+            np.testing.assert_allclose(got[t], same_f[t], rtol=2e-5, atol=1e-5)
+        for t in range(FREEZE - 1, STEPS):  # step F: compjax warms up, DeepSpeed compresses
+            assert not np.allclose(got[t], same_f[t], rtol=1e-2), (name, t)
+
+
 def test_variance_is_frozen_and_momentum_shared(vmapped):
     _, _, states, _ = vmapped
     for t in range(FREEZE, STEPS):

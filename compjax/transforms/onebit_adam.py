@@ -139,7 +139,14 @@ def scale_by_onebit_adam(
       freeze_step: warm-up steps before the variance is frozen and the
         compression starts (>= 1).  DeepSpeed's default is 100000; its
         tutorial suggests 15-25% of the training steps (23000 for BERT-large
-        pre-training, 400 for fine-tuning).
+        pre-training, 400 for fine-tuning).  compjax's ``freeze_step=F`` is
+        DeepSpeed's ``freeze_step=F + 1``: DeepSpeed's first ``step()`` only
+        sets up its buffers and discards its gradient but counts, so its
+        ``F`` runs ``F - 1`` warm-up steps, and at equal ``F`` the
+        trajectories part from step ``F`` (compjax's last warm-up step,
+        DeepSpeed's first compressed one).  To reproduce a DeepSpeed run
+        configured with ``F``, pass ``F - 1`` (tested against a
+        transcription of its counting).
       b1: momentum decay (paper 0.9).
       b2: variance decay (paper 0.999).
       eps: added to ``sqrt(v)`` (paper 1e-8).

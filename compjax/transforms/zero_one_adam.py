@@ -25,8 +25,31 @@ synchronisations and step their own parameters apart until the next one;
 compjax's transformations keep the parameters replicated, so this is 0/1
 Adam with a synchronisation at every step (``local_step_clipper = 1``, under
 which DeepSpeed's frozen phase reduces to the same 1-bit momentum exchange).
-DeepSpeed's first ``step()`` call only allocates its buffers; here the first
-step is a real one.
+
+**Where compjax departs from DeepSpeed's ``ZeroOneAdam``** (tested against a
+transcription of its ``step`` in ``tests/test_zero_one_adam.py``):
+
+* *The variance steps, shifted by one.*  DeepSpeed's first ``step()`` call
+  only allocates its buffers and discards its gradient, but counts as step 1,
+  and its schedule runs on that count: fed the same gradients (``kappa = 2``,
+  ``var_freeze_step = 12``) it updates the variance on the gradients 1, 2, 3,
+  5, 7, 11 and freezes from 13, where compjax's default does on 1, 2, 4, 6,
+  8, 12 and freezes from 14.  ``schedule="deepspeed"`` gives DeepSpeed's
+  steps; no other setting does.
+* *What the frozen phase compresses.*  compjax compresses each worker's
+  momentum ``b1 m + (1 - b1) g_i`` plus its error, in gradient units; the
+  learning rate and weight decay (``optax.add_decayed_weights``) are applied
+  to the direction afterwards and never enter ``m`` or the error buffers.
+  DeepSpeed compresses ``-lr (m_i / (sqrt(v) + eps) + wd p) (sqrt(v) + eps)``
+  (its buffer for the paper's ``u``: learning-rate units, weight decay
+  inside) plus an error kept in those units, and sets ``m`` to minus the
+  decoded mean over ``lr``, weight-decay term included.  The two agree while
+  the learning rate is constant and ``wd = 0`` (the scaled sign is positively
+  homogeneous); after a change of learning rate DeepSpeed's error buffer
+  carries the earlier rates into the next messages, and with weight decay
+  its momentum carries ``wd p (sqrt(v) + eps)``.  DeepSpeed's form is not
+  offered: compjax's frozen phase is 1-bit Adam's compression stage, with
+  the learning rate chained after it as for every optax transformation.
 
 References:
   Lu, Li, Zhang, Tang, Awan, He, "Maximizing Communication Efficiency for
@@ -95,15 +118,33 @@ class ZeroOneAdamState(NamedTuple):
     PER_WORKER = ("error", "server_error")
 
 
-def variance_steps(var_update_scaler: int, var_freeze_step: int) -> list[int]:
-    """The steps (from 1) on which the variance is updated: the paper's ``T_v``.
+SCHEDULES = ("compjax", "deepspeed")
 
-    ``var_update_scaler`` steps at interval 1, then as many at interval 2
-    (the multiples of 2), 4, ..., up to ``var_freeze_step + 1``.
+
+def _offset(schedule: str) -> int:
+    """How many steps DeepSpeed's count is ahead: its first ``step()`` counts, sets up
+    buffers and discards its gradient, so its step ``s`` is the gradient ``s - 1``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    return 1 if schedule == "deepspeed" else 0
+
+
+def variance_steps(
+    var_update_scaler: int, var_freeze_step: int, schedule: str = "compjax"
+) -> list[int]:
+    """The steps (from 1, one per gradient) on which the variance is updated: ``T_v``.
+
+    ``"compjax"``: ``var_update_scaler`` steps at interval 1, then as many at
+    interval 2 (the multiples of 2), 4, ..., up to ``var_freeze_step + 1``.
+    ``"deepspeed"``: DeepSpeed's ``ZeroOneAdam`` fed the same gradients: the
+    step ``t`` is a variance step when ``t + 1`` is a multiple of the
+    interval, up to ``var_freeze_step`` (e.g. ``1, 2, 3, 5, 7, 11`` where
+    compjax has ``1, 2, 4, 6, 8, 12``, at ``(2, 12)``).
     """
+    offset = _offset(schedule)
     steps, interval, counter = [], 1, 0
-    for t in range(1, var_freeze_step + 2):
-        if t % interval == 0:
+    for t in range(1, var_freeze_step + 2 - offset):
+        if (t + offset) % interval == 0:
             steps.append(t)
             counter += 1
             if counter == var_update_scaler:
@@ -124,6 +165,7 @@ def scale_by_zero_one_adam(
     flatten: bool = False,
     bucket_size: int | None = None,
     seed: int = 0,
+    schedule: str = "compjax",
 ) -> optax.GradientTransformation:
     """0/1 Adam's direction ``m / (sqrt(v) + eps)`` (no local steps; see the module docstring).
 
@@ -142,14 +184,27 @@ def scale_by_zero_one_adam(
       comp, exchange, flatten, bucket_size, seed: as
         :func:`compjax.scale_by_onebit_adam` (default: the l2-scaled 1-bit
         sign over the scatter-gather compressed all-reduce).
+      schedule: which steps are variance steps and when the variance
+        freezes (:func:`variance_steps`).  ``"compjax"`` (default): the step
+        ``t`` (from 1) when ``t`` is a multiple of the interval, while ``t <=
+        var_freeze_step + 1``; frozen from ``var_freeze_step + 2``.
+        ``"deepspeed"``: DeepSpeed's ``ZeroOneAdam`` on the same gradients,
+        whose first ``step()`` call only sets up buffers but counts: ``t + 1``
+        a multiple of the interval, while ``t <= var_freeze_step``; frozen
+        (error buffers restarted) from ``var_freeze_step + 1``.  DeepSpeed
+        fed a first, discarded gradient and then compjax's gradients gives
+        compjax's ``"deepspeed"`` updates (tested against a transcription of
+        its ``step``).  No ``var_freeze_step`` or ``var_update_scaler`` makes
+        one schedule the other's.
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`ZeroOneAdamState`.
 
     Raises:
       ValueError: ``var_freeze_step`` or ``var_update_scaler`` not an integer
-        >= 1, a beta outside ``[0, 1)``, ``eps <= 0``, or a bad
-        ``exchange``/``bucket_size``.
+        >= 1, a beta outside ``[0, 1)``, ``eps <= 0``, a bad
+        ``exchange``/``bucket_size``, or ``schedule`` not one of
+        :data:`SCHEDULES`.
 
     References:
       Lu et al., "Maximizing Communication Efficiency for Large-scale
@@ -159,6 +214,7 @@ def scale_by_zero_one_adam(
         b1, b2, eps, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler
     )
     check_grouping(flatten, bucket_size)
+    offset = _offset(schedule)
     comp = l2_scaled_sign() if comp is None else comp
     as_exchange(exchange)
     server = ServerMemory(comp, exchange)
@@ -179,10 +235,11 @@ def scale_by_zero_one_adam(
         mus, nus, errors, old_memories = read_buffers(leaves, server, state)
         key, keys = step_keys(state.key, len(leaves.arrays))
         step = state.count + 1
-        adaptive = state.count <= var_freeze_step
-        variance_step = adaptive & (step % state.var_interval == 0)
+        phase = state.count + offset  # DeepSpeed's count is one ahead (see `schedule`)
+        adaptive = phase <= var_freeze_step
+        variance_step = adaptive & ((phase + 1) % state.var_interval == 0)
         # The first frozen step starts the buffers afresh: they held gradients' errors.
-        restart = state.count == var_freeze_step + 1
+        restart = phase == var_freeze_step + 1
         errors = [jnp.where(restart, 0.0, e) for e in errors]
         memories = [None if s is None else jnp.where(restart, 0.0, s) for s in old_memories]
 
