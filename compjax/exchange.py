@@ -261,13 +261,16 @@ def _summable(comp: Compressor) -> bool:
 
 def _summed(comp, key, flat, names, n):
     """Shared scale (``pmax``), integer codes summed by ``psum``: ``(sum, own decoded)``."""
+    d = flat.shape[0]
+    flat = comp.rotate_in(key, flat)  # a rotation all workers share (``key`` is common)
     scale = collectives.pmax(comp.scale_of(flat), names)
     record("scale", scale, "all_reduce", names)
     words = comp.encode_words(collectives.worker_key(key, names), flat, scale, n)
     record("payload", words, "all_reduce", names)
-    d = flat.shape[0]
-    total = comp.decode_words(collectives.psum(words, names), scale, n, n, d)
-    return total, comp.decode_words(words, scale, 1, n, d)
+    m = flat.shape[0]
+    total = comp.decode_words(collectives.psum(words, names), scale, n, n, m)
+    own = comp.decode_words(words, scale, 1, n, m)
+    return comp.rotate_out(key, total, d), comp.rotate_out(key, own, d)
 
 
 def _pad(flat: jax.Array, size: int) -> jax.Array:
