@@ -82,7 +82,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import hadamard
-from compjax.compressor import Compressor, bernoulli, raw_key, stochastic_round
+from compjax.compressor import Compressor, bernoulli, dtype_max, raw_key, stochastic_round
 from compjax.numerics import divide
 
 #: Bits of the word that carries the packed fields.
@@ -248,6 +248,15 @@ class IntQuant(Compressor):
             y = self.rotate_out(side["rotation"], y, n)
         y = jnp.where(jnp.isfinite(wire["scale"]), y, jnp.nan)
         return stochastic_round(side["key"], y, dtype)
+
+    def unbiased_range(self, d, dtype=jnp.float32):
+        """Every finite input; with ``rotate``, ``max / d'`` (a sufficient bound).
+
+        Rotated entries reach ``sqrt(d') max|x|``, the decode ``d' max|x|``.
+        """
+        if self.rotate and d:
+            return dtype_max(dtype) / hadamard.next_power_of_two(d)
+        return dtype_max(dtype)
 
     def omega(self, d):
         if self.rotate:
