@@ -111,3 +111,16 @@ def test_empty_input_keeps_nothing_whatever_k():
     assert compjax.rand_k(k=1).omega(0) == 0.0
     with pytest.raises(ValueError, match="k=2 exceeds the number of entries d=1"):
         compjax.rand_k(k=2).compress(jax.random.key(0), jnp.zeros((1,)))
+
+
+@pytest.mark.parametrize(
+    "comp", [compjax.qsgd(levels=4), compjax.natural_dithering()], ids=["qsgd", "dithering"]
+)
+def test_saturated_norm_stays_unbiased(comp):
+    """13 entries up to 3e38: the norm (5.6e38) saturates at the float32 maximum, which still
+    brackets every entry, so the mean of 4000 draws is ``x`` (the range is every finite input)."""
+    x = jnp.asarray(np.linspace(-3e38, 3e38, 13), jnp.float32)
+    draws = draw(comp, x, n=4000)
+    assert np.all(np.isfinite(draws))
+    assert_unbiased(draws, np.asarray(x, np.float64), draws.var(0, ddof=1))
+    assert comp.unbiased_range(13) == F32

@@ -116,7 +116,8 @@ class NaturalDithering(packing.SignMagnitude, Compressor):
     def encode(self, key, flat, dtype):
         s = self.levels
         # A norm of finite entries beyond the float32 range saturates at its largest value
-        # (biased, finite); an Inf/NaN entry keeps it non-finite, so the decode is too.
+        # (finite; still unbiased: it brackets every entry); an Inf/NaN entry keeps it
+        # non-finite, so the decode is too.
         norm = p_norm(flat, self.p)
         overflow = jnp.isinf(norm) & jnp.isfinite(jnp.max(jnp.abs(flat), initial=0.0))
         norm = jnp.where(overflow, jnp.finfo(jnp.float32).max, norm)
