@@ -117,7 +117,7 @@ class QSGD(packing.SignMagnitude, Compressor):
         size, count = self._buckets(d)
         xb = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
         # A norm of finite entries beyond the float32 range saturates at its largest value
-        # (biased, finite); an Inf/NaN entry keeps it non-finite, so the decode is too.
+        # (finite, still unbiased: it brackets every entry); an Inf/NaN keeps it non-finite.
         norms = safe_norm(xb, axis=1)
         # (max|x|: the reduction safe_norm already makes, shared by XLA, no second pass.)
         overflow = jnp.isinf(norms) & jnp.isfinite(jnp.max(jnp.abs(xb), axis=1, initial=0.0))
