@@ -257,6 +257,7 @@ def test_eight_workers_under_shard_map():
         (lambda: compjax.eden(rounds=True), "rounds"),
         (lambda: compjax.eden(bits=3), "bits"),
         (lambda: compjax.eden(bits=0), "bits"),
+        (lambda: compjax.drive(scale="unbiased"), "scale"),
     ],
 )
 def test_bad_parameters_raise(build, name):
@@ -320,3 +321,17 @@ def test_small_leaves_are_unbiased_at_every_size(bits):
         z = np.where(inside, z, 0.0)
         worst = np.unravel_index(np.argmax(np.abs(z)), z.shape)
         assert np.abs(z).max() < bound, (padded, worst, z[worst])
+
+
+def test_drive_authors_scale_is_eden_one_bit():
+    """``drive(scale="authors")`` is the authors' unbiased ``||Rx||^2 / ||Rx||_1``: eden(1);
+    the paper's scale decodes 0.6 to 0.85 of it on a Gaussian input (same rotation)."""
+    assert compjax.drive(scale="authors") == compjax.eden(1)
+    assert compjax.drive(2, scale="authors") == compjax.eden(1, rounds=2)
+    assert compjax.drive(scale="authors").unbiased and not compjax.drive().unbiased
+    x = jnp.asarray(np.random.default_rng(9).standard_normal(1000), jnp.float32)
+    key = jax.random.key(4)
+    authors = roundtrip(compjax.drive(scale="authors"), key, x)[1]
+    paper = roundtrip(compjax.drive(), key, x)[1]
+    ratio = float(jnp.linalg.norm(paper) / jnp.linalg.norm(authors))
+    assert 0.6 < ratio < 0.85, ratio
