@@ -14,7 +14,12 @@ from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
 from compjax.compressors.dithering import natural_dithering, natural_dithering_omega
 from compjax.compressors.eden import drive, eden
-from compjax.compressors.int_quant import int_quant, int_quant_mean_omega, int_quant_omega
+from compjax.compressors.int_quant import (
+    int_quant,
+    int_quant_mean_omega,
+    int_quant_omega,
+    int_quant_rotated_omega,
+)
 from compjax.compressors.l2_sign import l2_scaled_sign
 from compjax.compressors.natural import natural
 from compjax.compressors.qsgd import qsgd, qsgd_omega
@@ -93,6 +98,7 @@ __all__ = [
     "int_quant",
     "int_quant_mean_omega",
     "int_quant_omega",
+    "int_quant_rotated_omega",
     "l2_scaled_sign",
     "natural",
     "natural_dithering",

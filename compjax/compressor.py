@@ -17,7 +17,14 @@ A compressor is an immutable, hashable value (a frozen dataclass) with
   - ``linear``: payloads of workers that used the same key may be summed
     before decoding (``decompress`` of the sum is the sum of the decodes);
   - ``bits(shape, dtype)``: the bits on the wire for an input of that shape
-    and dtype, equal to ``wire_bits(compress(key, x))``.
+    and dtype, equal to ``wire_bits(compress(key, x))``;
+  - ``unbiased_range(d, dtype)``: the range of unbiasedness, a bound ``r``
+    such that ``E[C(x)] = x`` holds for every input of ``d`` entries in
+    ``dtype`` with ``max|x_i| <= r`` (an unbiased estimate of a large ``x``
+    may need values beyond the dtype, which saturate: ``rand_k`` rescales by
+    ``d/k``, so its range is ``max * k/d``).  Called on a concrete array
+    (not under ``jit``), ``compress`` warns (``UnbiasedRangeWarning``) when
+    the input leaves it; traced inputs are not checked, which costs nothing.
 
 ``omega`` and ``delta`` return ``None`` where the compressor gives no such
 guarantee (``sign`` is neither unbiased nor contractive).
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import ClassVar
 
 import jax
@@ -72,6 +80,15 @@ def _check_input(x) -> jax.Array:
         raise ValueError(f"x must be a floating point array, got dtype {x.dtype}")
     check_float32_range(x.dtype)
     return x
+
+
+class UnbiasedRangeWarning(UserWarning):
+    """An input beyond a compressor's ``unbiased_range``: its decode may be biased (saturated)."""
+
+
+def dtype_max(dtype) -> float:
+    """The largest finite value of a floating ``dtype``, as a Python float."""
+    return float(jnp.finfo(dtype).max)
 
 
 def safe_norm(x: jax.Array, axis=None) -> jax.Array:
@@ -271,7 +288,32 @@ class Compressor:
         x = _check_input(x)
         if not self.deterministic:
             require_key(key, type(self).__name__)
+        self.warn_out_of_range(x)
         return x
+
+    def warn_out_of_range(self, x: jax.Array) -> None:
+        """Warn (``UnbiasedRangeWarning``) if a concrete ``x`` leaves :meth:`unbiased_range`.
+
+        Traced inputs (under ``jit``, ``vmap``, ...) are not checked: the
+        check is a host-side comparison, free where it runs and absent from
+        compiled steps.  Non-finite entries are not "out of range" (they
+        propagate, see the README).
+        """
+        if isinstance(x, jax.core.Tracer) or x.size == 0:
+            return
+        bound = self.unbiased_range(x.size, x.dtype)
+        if bound is None:
+            return
+        magnitudes = np.abs(np.asarray(x, np.float32))
+        largest = float(np.max(np.where(np.isfinite(magnitudes), magnitudes, 0.0)))
+        if largest > bound:
+            warnings.warn(
+                f"{type(self).__name__}: max|x| = {largest:.4g} exceeds the range of "
+                f"unbiasedness {bound:.4g} for {x.size} entries of {np.dtype(x.dtype).name}: "
+                f"the decode saturates there and is biased",
+                UnbiasedRangeWarning,
+                stacklevel=4,
+            )
 
     def payload(self, wire: dict, side: dict, x: jax.Array) -> Payload:
         """A payload for input ``x`` (its shape and dtype go into the static metadata)."""
@@ -303,6 +345,16 @@ class Compressor:
     def bits(self, shape, dtype=jnp.float32) -> int:
         """Bits on the wire for an input of ``shape`` and ``dtype``."""
         raise NotImplementedError
+
+    def unbiased_range(self, d: int, dtype=jnp.float32) -> float | None:
+        """``r`` such that ``E[C(x)] = x`` for every ``x`` of ``d`` entries with ``max|x_i| <= r``.
+
+        ``None`` where no range is guaranteed: a biased compressor, or one
+        whose range is not established (the default).  An unbiased compressor
+        whose decodes never exceed what the dtype holds returns the dtype's
+        largest finite value (unbiased on every finite input).
+        """
+        return None
 
     def bits_per_coordinate(self, d: int, dtype=jnp.float32) -> float:
         return self.bits((d,), dtype) / d

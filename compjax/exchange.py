@@ -351,16 +351,24 @@ def _summable(comp: Compressor) -> bool:
 
 
 def _summed(comp, key, flat, names, n):
-    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``."""
+    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``.
+
+    A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
+    signs from ``key``, which all workers share: the rotation is linear, so
+    the summed codes are unrotated once.
+    """
+    d = flat.shape[0]
+    flat = comp.rotate_in(key, flat)
     scale = collectives.pmax(comp.scale_of(flat), names)
     record("scale", scale, "all_reduce", names)
     words = comp.encode_words(collectives.worker_key(key, names), flat, scale, n)
     record("payload", words, "all_reduce", names)
-    d = flat.shape[0]
+    m = flat.shape[0]
     summed = collectives.psum(words, names)
-    total = comp.decode_words(summed, scale, n, n, d)
-    mean = _mean(total, lambda s: comp.decode_words(summed, scale * s, n, n, d), n)
-    return mean, comp.decode_words(words, scale, 1, n, d)
+    total = comp.decode_words(summed, scale, n, n, m)
+    mean = _mean(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
+    own = comp.decode_words(words, scale, 1, n, m)
+    return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d)
 
 
 def _pad(flat: jax.Array, size: int) -> jax.Array:

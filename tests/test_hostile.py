@@ -127,8 +127,6 @@ def in_documented_range(spec: str, x) -> bool:
         bounds.append(2 * xs.max(initial=0.0))
     if "rand_k" in spec:
         bounds.append(xs.max(initial=0.0) * d)
-    if "eden" in spec and xs.size <= 8:  # d' <= 8: the rotation itself is biased (documented)
-        return False
     if any(f in spec for f in ("qsgd", "dithering", "eden", "drive")):
         bounds.append(float(np.sqrt(np.sum(xs**2))) * np.sqrt(2 * d) + xs.sum())
     if "atomo" in spec:

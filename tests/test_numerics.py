@@ -156,7 +156,7 @@ def low_precision_cases():
         ),
         "natural_dithering(4) f16 normal": (compjax.natural_dithering(4), VEC16 * 1e3, f16),
         # The rotated decode rounded onto the grid at random.
-        # (64 entries: below d' = 16 the randomized rotation itself is biased, documented.)
+        # (64 entries: d' <= 64, so an exact Haar rotation, unbiased at every size.)
         "eden() bf16 normal": (compjax.eden(), VEC64, bf16),
         "eden(bits=2) f16 normal": (compjax.eden(bits=2), VEC64 * 1e3, f16),
     }

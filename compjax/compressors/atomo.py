@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor, bernoulli, stochastic_round
+from compjax.compressor import Compressor, bernoulli, dtype_max, stochastic_round
 from compjax.numerics import ldexp, unit_scale
 
 
@@ -116,6 +116,10 @@ class Atomo(Compressor):
     def omega(self, d):
         return max(0.0, d / self.budget - 1.0)
 
+    def unbiased_range(self, d, dtype=jnp.float32):
+        """``max * min(1, s/d)``: each sent ``x_i/p_i`` is at most ``max(max|x|, ||x||_1/s)``."""
+        return dtype_max(dtype) * min(1.0, self.budget / d if d else 1.0)
+
     def bits(self, shape, dtype=jnp.float32):
         return 64 * capacity(self.budget, math.prod(shape))
 
@@ -167,6 +171,18 @@ class AtomoSVD(Compressor):
         # Rank of any 2-D view of d entries is at most floor(sqrt(d)).
         return max(0.0, math.isqrt(d) / self.budget - 1.0) if d else 0.0
 
+    def unbiased_range(self, d, dtype=jnp.float32):
+        """``max / max(sqrt(d), d**0.75 / s)``.
+
+        Each decoded entry is at most ``max(sigma_1, ||sigma||_1 / s)`` (the
+        rows of ``U`` and ``V`` have norm at most 1), ``sigma_1 <= ||x||_F <=
+        sqrt(d) max|x|`` and ``||sigma||_1 <= sqrt(rank) ||x||_F <= d**0.75
+        max|x|``: a sufficient bound, not a tight one.
+        """
+        if d == 0:
+            return dtype_max(dtype)
+        return dtype_max(dtype) / max(math.sqrt(d), d**0.75 / self.budget)
+
     def omega_for_shape(self, shape) -> float:
         """``max(0, rank/s - 1)`` with ``rank = min`` of :func:`matrix_shape` (attained
         when every singular value is equal)."""
@@ -200,6 +216,15 @@ def atomo(budget: float) -> Atomo:
     For bfloat16/float16 inputs each rescaled value is rounded onto the
     input dtype's grid at random (unbiased), so decoding's cast is exact
     (float16 values beyond 65504 saturate, biased).
+
+    Range of unbiasedness (``unbiased_range(d, dtype)``): ``max|x_i| <= max
+    * min(1, s/d)``, ``max`` the dtype's largest finite value.  Each sent
+    ``x_i/p_i`` is at most ``max(max|x|, ||x||_1/s)`` (an unsaturated atom
+    sends ``1/c``, below the last saturated magnitude or ``||x||_1/s``), and
+    ``||x||_1 <= d max|x|``.  Beyond it sent values can saturate (float16:
+    7 entries of 65504 at ``s = 4`` need ``7/4 * 65504``).  A concrete input
+    beyond it warns (``UnbiasedRangeWarning``); inputs under ``jit`` are not
+    checked.
 
     Wire format: a fixed number of slots, :func:`capacity` ``(s, d)``, of int32
     indices and float32 rescaled values; unused slots carry index ``d`` and

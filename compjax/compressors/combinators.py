@@ -84,6 +84,9 @@ class Blockwise(Compressor):
     def omega(self, d):
         return _worst((self.inner.omega(s) for s in self._block_dims(d)), max)
 
+    def unbiased_range(self, d, dtype=jnp.float32):
+        return _worst((self.inner.unbiased_range(s, dtype) for s in self._block_dims(d)), min)
+
     def delta(self, d):
         return _worst((self.inner.delta(s) for s in self._block_dims(d)), min)
 
@@ -179,6 +182,9 @@ class Scaled(Compressor):
 
     def omega(self, d):
         return self.inner.omega(d) if self.unbiased else None
+
+    def unbiased_range(self, d, dtype=jnp.float32):
+        return self.inner.unbiased_range(d, dtype) if self.unbiased else None
 
     def delta(self, d):
         if self.gamma == 1.0:

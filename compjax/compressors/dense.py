@@ -14,7 +14,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor, to_dtype
+from compjax.compressor import Compressor, dtype_max, to_dtype
 
 _CAST_DTYPES = {
     "float16": np.dtype(jnp.float16),
@@ -47,6 +47,9 @@ class Identity(Compressor):
 
     def delta(self, d):
         return 1.0
+
+    def unbiased_range(self, d, dtype=jnp.float32):
+        return dtype_max(dtype)
 
     def bits(self, shape, dtype=jnp.float32):
         return math.prod(shape) * _itembits(dtype)
@@ -87,6 +90,9 @@ class Cast(Compressor):
 
     def omega(self, d):
         return 0.0 if self.unbiased else None
+
+    def unbiased_range(self, d, dtype=jnp.float32):
+        return dtype_max(dtype) if self.unbiased else None
 
     def delta(self, d):
         return 1.0 - self.unit_roundoff() ** 2

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import packing
-from compjax.compressor import Compressor, random_bits
+from compjax.compressor import Compressor, dtype_max, random_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -68,6 +68,12 @@ class Natural(Compressor):
     def omega(self, d):
         return 1.0 / 8.0
 
+    def unbiased_range(self, d, dtype=jnp.float32):
+        """``2^127`` (float32, bfloat16: larger values saturate there), 65504 (float16)."""
+        if np.dtype(dtype) == np.dtype(jnp.float16):
+            return dtype_max(dtype)
+        return 2.0**127
+
     def bits(self, shape, dtype=jnp.float32):
         d = math.prod(shape)
         return 8 * d + packing.packed_bits(d, 1)
@@ -94,6 +100,12 @@ def natural() -> Natural:
 
     Theory: unbiased, per-entry variance ``(2^(a+1) - |t|)(|t| - 2^a)``,
     ``omega = 1/8`` for every ``d``, attained at ``|t| = (4/3) 2^a``.
+
+    Range of unbiasedness (``unbiased_range``): ``|x_i| <= 2^127`` in
+    float32 and bfloat16 (an entry in ``(2^127, max]`` would need ``2^128``,
+    beyond the dtype, and decodes to ``2^127``: 3e38 always gives 1.7e38);
+    every finite float16 input.  A concrete input beyond it warns
+    (``UnbiasedRangeWarning``); inputs under ``jit`` are not checked.
 
     References:
       Horvath et al., "Natural Compression for Distributed Deep Learning",

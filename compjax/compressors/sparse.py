@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor, bernoulli, raw_key
+from compjax.compressor import Compressor, bernoulli, dtype_max, raw_key
 from compjax.numerics import divide, round_to
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
@@ -183,6 +183,13 @@ class RandK(Sparsifier):
             return None
         return d / self.k_for(d) - 1.0 if d else 0.0
 
+    def unbiased_range(self, d, dtype=jnp.float32):
+        """``max * k/d`` (``max``: the dtype's largest value): ``x_i d/k`` must be representable."""
+        if not self.scaled:
+            return None
+        k = self.k_for(d)
+        return dtype_max(dtype) * (k / d if d else 1.0)
+
     def delta(self, d):
         if self.scaled:
             return None
@@ -198,6 +205,9 @@ def top_k(k: int | None = None, ratio: float | None = None) -> TopK:
 
     Give ``k`` (entries per array; an array with fewer entries raises
     ``ValueError`` when compressed) or ``ratio`` (``k = max(1, round(ratio d))``).
+    An empty array has nothing to keep: whatever ``k``, it gives an empty
+    payload (0 bits) and an empty output (the one exception to ``k > d``
+    raising, so that trees with size-0 leaves compress).
 
     Wire format: int32 indices and the values in the input dtype.
 
@@ -242,6 +252,14 @@ def rand_k(
         travel (the key is side information every worker holds) and payloads
         of workers that used the same key can be summed before decoding
         (``linear``).
+
+    Range of unbiasedness (``unbiased_range(d, dtype)``): ``max|x_i| <=
+    max * k/d`` with ``max`` the dtype's largest finite value (float32:
+    3.4e38, so ``ratio=0.1`` is unbiased up to 3.4e37); beyond it a kept
+    ``x_i d/k`` saturates at ``max`` and the mean falls short (3e38
+    averages to ``max * k/d``: 3.4e37 at ``d = 100``, ``ratio=0.1``).  A concrete input beyond it
+    warns (``UnbiasedRangeWarning``); inputs under ``jit`` are not checked.
+    As :func:`top_k`, an empty input gives an empty payload whatever ``k``.
 
     Wire format: int32 indices and values in the input dtype; values only with
     ``shared_seed``.

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli
+from compjax.compressor import Compressor, bernoulli, dtype_max
 from compjax.numerics import divide, ldexp, magnitude, round_up_to, unit_scale
 
 # Ternary codes, 2 bits each, 4 per byte.
@@ -89,6 +89,10 @@ class TernGrad(Compressor):
 
     def omega(self, d):
         return terngrad_omega(d) if self.unbiased else None
+
+    def unbiased_range(self, d, dtype=jnp.float32):
+        # Decodes are 0 or +-max|x| on the dtype's grid: every finite input.
+        return dtype_max(dtype) if self.unbiased else None
 
     def bits(self, shape, dtype=jnp.float32):
         return packing.packed_bits(math.prod(shape), 2) + 32

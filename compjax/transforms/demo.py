@@ -210,8 +210,10 @@ def scale_by_demo(
     is chunked 1-D (``(1, d)``: chunks of the largest divisor of ``d``); a
     scalar is one chunk of one entry; a leaf of more dimensions is the
     matrix ``(prod(shape[:-1]), shape[-1])`` (a conv kernel ``(kh, kw, in,
-    out)`` as ``(kh kw in, out)``; the reference code chunks only the last
-    two dimensions of such leaves).
+    out)`` as ``(kh kw in, out)``).  The reference code handles vectors and
+    matrices only: it raises on a leaf of more than two dimensions and on a
+    scalar (checked against it on identical inputs), so compjax's layouts of
+    those two are its own extension, not the reference's behaviour.
 
     Message, per leaf and worker (``Payload(wire={"indices", "values"})``,
     all-gathered): ``chunks x k`` indices within their chunk, in the
