@@ -234,10 +234,11 @@ def powersgd(
         # Where the sums overflowed float32 (gradients near its largest value, or a
         # warm-started Q as large as them), again on scaled M and Q, on such steps only.
         # The mean Q is kept scaled: the warm start uses only its direction.
+        # The zero exponent is made from ``finite`` so that it varies over the same mesh axes
+        # as the rescaled one (a model axis the params are split over, under shard_map).
+        zero = finite.astype(jnp.int32) * 0
         with unrecorded():
-            p, q_new, a = jax.lax.cond(
-                finite, lambda: (p, q_new, jnp.int32(0)), lambda: rescaled(m, q, n)
-            )
+            p, q_new, a = jax.lax.cond(finite, lambda: (p, q_new, zero), lambda: rescaled(m, q, n))
         # The update as delivered (in g's dtype, saturating at its largest value: the product
         # can round past it): what it rounds away stays in the memory.
         top = float(jnp.finfo(jnp.float32).max)
