@@ -131,3 +131,38 @@ def test_flattening_model_sharded_params_is_refused_naming_the_option_and_axis(o
     params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), W0, PARAM_SPECS)
     with pytest.raises(ValueError, match=rf"{option}.*'model'"):
         jax.eval_shape(tx.init, params)
+
+
+def test_init_outside_shard_map_is_documented_behaviour():
+    """README: ``opt.init`` outside ``shard_map`` gives per-worker state one worker's leading axis
+    of 1, which the step's ``in_specs`` refuse (JAX's "not evenly divisible"); state without
+    per-worker fields (``compress(identity())``) is the same either way."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), W0, PARAM_SPECS)
+
+    def mapped_init(opt):
+        specs = compjax.state_specs(jax.eval_shape(opt.init, params), "data", PARAM_SPECS)
+        init = jax.shard_map(opt.init, mesh=mesh, in_specs=(PARAM_SPECS,), out_specs=specs)
+        return specs, jax.jit(init)(params)
+
+    ef = optax.chain(compjax.error_feedback(compjax.top_k(ratio=0.25), "data"), optax.sgd(0.1))
+    specs, state = mapped_init(ef)
+    assert state[0].error["w"].shape == (4, 8, 8)  # one memory per worker
+    outside = ef.init(params)
+    assert outside[0].error["w"].shape == (1, 8, 8)
+    step = jax.shard_map(
+        lambda p, s: (p, s),
+        mesh=mesh,
+        in_specs=(PARAM_SPECS, specs),
+        out_specs=(PARAM_SPECS, specs),
+    )
+    with pytest.raises(ValueError, match="divisible"):
+        jax.jit(step)(params, outside)
+
+    plain = optax.chain(compjax.compress(compjax.identity(), "data"), optax.sgd(0.1))
+    _, state = mapped_init(plain)
+    outside = plain.init(params)
+    assert jax.tree.structure(outside) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(outside), jax.tree.leaves(state), strict=True):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
