@@ -170,3 +170,25 @@ def test_init_outside_shard_map_is_documented_behaviour():
     for a, b in zip(jax.tree.leaves(outside), jax.tree.leaves(state), strict=True):
         assert a.shape == b.shape
         np.testing.assert_array_equal(a, b)
+
+
+def test_powersgd_decides_compression_on_each_block():
+    """README: a (12, 12) kernel passes min_compression_rate at rank 2, its (12, 6) blocks on two
+    model shards do not, so the mapped init sends it dense (no Q) whatever eval_shape shows."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    big = {"w": jnp.ones((12, 12)), "b": jnp.zeros(12)}
+    params = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), big, PARAM_SPECS)
+    opt = compjax.powersgd(2, "data")
+    shapes = jax.eval_shape(opt.init, params)
+    assert shapes.q[1].shape == (12, 2)  # leaves in key order: b, w
+    specs = compjax.state_specs(shapes, "data", PARAM_SPECS)
+    assert specs.q[1] == P("model")
+    init = jax.shard_map(opt.init, mesh=mesh, in_specs=(PARAM_SPECS,), out_specs=specs)
+    assert jax.jit(init)(params).q == (None, None)
+    # At rank 1 the blocks pass too: one (6, 1) factor per block, split over "model".
+    opt = compjax.powersgd(1, "data")
+    specs = compjax.state_specs(jax.eval_shape(opt.init, params), "data", PARAM_SPECS)
+    init = jax.shard_map(opt.init, mesh=mesh, in_specs=(PARAM_SPECS,), out_specs=specs)
+    q = jax.jit(init)(params).q[1]
+    assert q.shape == (12, 1)
+    assert layout(q.sharding.spec) == ("model",)
