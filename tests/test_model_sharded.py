@@ -20,6 +20,9 @@ LOSSLESS = {
     "error_feedback": lambda: compjax.error_feedback(compjax.identity(), "data"),
     "ef21": lambda: compjax.ef21(compjax.identity(), "data"),
     "diana": lambda: compjax.diana(compjax.identity(), "data"),
+    "compress(scatter_gather)": lambda: compjax.compress(
+        compjax.identity(), "data", exchange="scatter_gather"
+    ),
 }
 LOSSY = {
     "compress(qsgd)": lambda: compjax.compress(compjax.qsgd(levels=4), "data"),
