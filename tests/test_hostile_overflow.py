@@ -1,0 +1,154 @@
+"""Means that transformations take themselves (not by compjax.exchange) near float32's limit.
+
+PowerSGD's all-reduces of ``P`` and ``Q`` and of its uncompressed leaves, and
+DGC's dense all-reduce and summed sparse messages, add ``n`` workers' values:
+near float32's largest value the sum overflows though the mean does not.  And
+a norm of entries beyond ``1.8e19`` overflows (PowerSGD's Gram-Schmidt, DGC's
+clipping), which used to turn the update silently into zeros.  Each is
+checked here on gradients every worker shares, whose mean is known exactly.
+"""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import compjax
+from compjax.numerics import mean_of_sum
+from compjax.transforms.powersgd import orthogonalize
+
+WORKERS = 4
+TOP = float(np.finfo(np.float32).max)
+# A rank-1 matrix (PowerSGD's rank-1 approximation of it is itself) and a 1-D leaf.
+PATTERN = np.outer([1.0, -1.0, 0.5], [1.0, 0.5, 0.25, 1.0, -1.0])
+
+TRANSFORMS = {
+    "powersgd": lambda: compjax.powersgd(rank=1, axis_name="data", min_compression_rate=1.0),
+    # dense: the 1-D leaf is all-reduced (below min_size); ratio 1 sends every entry of w.
+    "dgc": lambda: compjax.dgc("data", 1.0, momentum=0.0, min_size=2, sampled_threshold=False),
+    "dgc(clip)": lambda: compjax.dgc(
+        "data", 1.0, momentum=0.0, min_size=2, sampled_threshold=False, clip_norm=1.0
+    ),
+}
+
+
+def _grads(scale, dtype=jnp.float32):
+    w = jnp.asarray(np.broadcast_to(scale * PATTERN, (WORKERS, 3, 5)), dtype)
+    return {"w": w, "b": jnp.full((WORKERS, 1), scale, dtype)}
+
+
+@partial(jax.jit, static_argnums=(0, 2))
+def _two_steps(name, grads, dtype_name):
+    tx = TRANSFORMS[name]()
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], dtype_name), grads)
+    state = jax.vmap(lambda _: tx.init(params))(jnp.arange(WORKERS))
+    step = jax.vmap(tx.update, axis_name="data")
+    first, state = step(grads, state)
+    second, state = step(grads, state)
+    return first, second, state
+
+
+def _finite(tree) -> bool:
+    return all(
+        bool(np.all(np.isfinite(np.asarray(a, np.float64))))
+        for a in jax.tree.leaves(tree)
+        if jnp.issubdtype(a.dtype, jnp.floating)
+    )
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e20, 3e38, TOP], ids=["1", "1e20", "3e38", "max"])
+@pytest.mark.parametrize("name", ["powersgd", "dgc"])
+def test_the_mean_of_equal_gradients_near_the_float32_limit_is_that_gradient(name, scale):
+    """Every worker sends ``g``: each step's update is ``g`` (up to float32 rounding), and the
+    state stays finite; before, 1e20 gave PowerSGD zero updates forever and 3e38 NaN steps.
+
+    At float32's maximum PowerSGD's second step may be refused (NaN, state kept, as
+    documented): ``g + e`` overflows once the first step's rounding left ``e != 0``."""
+    grads = _grads(scale)
+    first, second, state = _two_steps(name, grads, "float32")
+    refused = scale == TOP and all(np.all(np.isnan(u)) for u in jax.tree.leaves(second))
+    for update in (first,) if refused else (first, second):
+        for k, g in grads.items():
+            np.testing.assert_allclose(
+                np.asarray(update[k][0], np.float64),
+                np.asarray(g[0], np.float64),
+                rtol=2e-6,
+                err_msg=f"{name} {scale} {k}",
+            )
+    assert _finite(state), (name, scale)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+def test_dgc_dense_mean_of_the_largest_low_precision_gradients(dtype):
+    top = float(jnp.finfo(dtype).max)
+    grads = _grads(top, dtype)
+    first, second, state = _two_steps("dgc", grads, jnp.dtype(dtype).name)
+    for update in (first, second):
+        for k, g in grads.items():
+            np.testing.assert_array_equal(np.asarray(update[k][0]), np.asarray(g[0]))
+    assert _finite(state)
+
+
+def test_dgc_clips_huge_gradients_to_the_limit_not_to_zero():
+    """``sum(g**2)`` overflowed for entries beyond 1.8e19: the norm was Inf and the clipped
+    gradient zero.  Each worker's gradient is clipped to norm ``1 / sqrt(n)``."""
+    grads = _grads(1e20)
+    first, _, _ = _two_steps("dgc(clip)", grads, "float32")
+    norm = np.sqrt(sum(np.sum(np.asarray(first[k][0], np.float64) ** 2) for k in ("w",)))
+    np.testing.assert_allclose(norm, 1 / np.sqrt(WORKERS), rtol=1e-5)
+
+
+def test_orthogonalize_columns_beyond_the_norms_overflow():
+    """Huge or tiny columns give the same orthonormal columns as moderate ones (the norm of
+    1e20 entries overflowed, zeroing the column); a zero column stays zero."""
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((6, 3)).astype(np.float32)
+    m[:, 2] = 0.0
+    want = np.asarray(orthogonalize(jnp.asarray(m)))
+    np.testing.assert_allclose(want[:, :2].T @ want[:, :2], np.eye(2), atol=1e-6)
+    for scale in (2.0**70, 2.0**126, 2.0**-80):
+        got = np.asarray(jax.jit(orthogonalize)(jnp.asarray(m * np.float32(scale))))
+        np.testing.assert_array_equal(got, want, err_msg=str(scale))
+
+
+def test_mean_of_sum_is_total_over_n_unless_it_overflowed():
+    values = jnp.asarray([[1.0, 3e38, -TOP], [2.0, 3e38, -TOP], [4.0, 3e38, -TOP]], jnp.float32)
+
+    def resum(s):
+        return jnp.sum(values * s, axis=0)
+
+    got = np.asarray(jax.jit(lambda: mean_of_sum(resum(1.0), resum, 3))())
+    np.testing.assert_allclose(got, [7 / 3, 3e38, -TOP], rtol=1e-7)
+    assert np.all(np.isfinite(got))
+    small = values[:, :1]
+    plain = jax.jit(lambda: mean_of_sum(jnp.sum(small, 0), lambda s: jnp.sum(small * s, 0), 3))
+    np.testing.assert_array_equal(plain(), jax.jit(lambda: jnp.sum(small, 0) / 3)())
+    poisoned = values.at[0, 1].set(jnp.inf)
+    out = mean_of_sum(jnp.sum(poisoned, axis=0), lambda s: jnp.sum(poisoned * s, axis=0), 3)
+    assert not np.isfinite(np.asarray(out)[1])
+
+
+def test_under_shard_map_near_the_limit():
+    """The rescaled sums run inside ``lax.cond`` on every worker alike (shard_map, 4 devices)."""
+    mesh = jax.make_mesh((WORKERS,), ("data",))
+    P = jax.P
+    grads = _grads(3e38)
+    flat = jax.tree.map(
+        lambda g: jax.device_put(g.reshape((-1, *g.shape[2:])), jax.NamedSharding(mesh, P("data"))),
+        grads,
+    )
+    params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:]), grads)
+    for name in ("powersgd", "dgc"):
+        tx = TRANSFORMS[name]()
+        specs = compjax.state_specs(jax.eval_shape(tx.init, params), "data")
+        init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+        step = jax.jit(
+            jax.shard_map(tx.update, mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs))
+        )
+        updates, _ = step(flat, init(params))
+        for k, g in grads.items():
+            np.testing.assert_allclose(
+                np.asarray(updates[k], np.float64), np.asarray(g[0], np.float64), rtol=2e-6
+            )
