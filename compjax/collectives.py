@@ -325,7 +325,13 @@ def all_to_all(tree, axis_name: AxisName):
     row ``i`` of worker ``j``'s leaf is row ``j`` of worker ``i``'s.
     """
     names = _bound_names(axis_name)
-    return jax.tree.map(lambda x: jax.lax.all_to_all(x, names, 0, 0, tiled=True), tree)
+    # jax.vmap's rule for all_to_all returns extra axes for an operand that is the same on
+    # every worker (unmapped: a closed-over constant; jax 0.10).  A select on the worker's
+    # index makes it per-worker there, and folds away in XLA (both branches are ``x``).
+    mine = jax.lax.axis_index(names) >= 0
+    return jax.tree.map(
+        lambda x: jax.lax.all_to_all(jnp.where(mine, x, x), names, 0, 0, tiled=True), tree
+    )
 
 
 def psum_scatter(x: jax.Array, axis_name: AxisName) -> jax.Array:

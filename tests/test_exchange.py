@@ -325,3 +325,21 @@ def test_bad_exchange_is_rejected_naming_the_argument():
         jax.vmap(tx.update, axis_name="data")(
             jnp.zeros((N, D)), jax.vmap(tx.init)(jnp.zeros((N, D)))
         )
+
+
+def test_all_to_all_of_a_value_shared_by_every_worker():
+    """A closed-over constant under vmap is transposed like the per-worker copies of it.
+
+    (jax.vmap's own rule for ``all_to_all`` returns extra axes for such an operand.)
+    """
+    from compjax import collectives
+
+    c = jnp.arange(12.0).reshape(2, 2, 3)
+    shared = jax.vmap(lambda _: collectives.all_to_all(c, "data"), axis_name="data")(
+        jnp.arange(2)
+    )
+    copies = jax.vmap(lambda a: collectives.all_to_all(a, "data"), axis_name="data")(
+        jnp.stack([c, c])
+    )
+    assert shared.shape == (2, 2, 2, 3)
+    np.testing.assert_array_equal(shared, copies)
