@@ -335,9 +335,7 @@ def test_all_to_all_of_a_value_shared_by_every_worker():
     from compjax import collectives
 
     c = jnp.arange(12.0).reshape(2, 2, 3)
-    shared = jax.vmap(lambda _: collectives.all_to_all(c, "data"), axis_name="data")(
-        jnp.arange(2)
-    )
+    shared = jax.vmap(lambda _: collectives.all_to_all(c, "data"), axis_name="data")(jnp.arange(2))
     copies = jax.vmap(lambda a: collectives.all_to_all(a, "data"), axis_name="data")(
         jnp.stack([c, c])
     )
