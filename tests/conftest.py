@@ -5,8 +5,17 @@ import os
 import shutil
 import tempfile
 
-# Simulated devices must be requested before jax is imported.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Simulated devices must be requested before jax is imported.  The tests spend most of
+# their time compiling small programs, so the CPU backend is told to compile cheaply: no
+# LLVM backend optimisation or expensive passes, the classic fusion emitters, one codegen
+# module per program (35-40% less CPU time over test_contract and test_transforms; the HLO
+# optimisations are unchanged).
+os.environ.setdefault(
+    "XLA_FLAGS",
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+    " --xla_cpu_parallel_codegen_split_count=1",
+)
 
 import jax
 from hypothesis import HealthCheck, settings

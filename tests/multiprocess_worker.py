@@ -16,7 +16,12 @@ import os
 
 if __name__ == "__main__":
     # As a worker: 2 CPU devices in this process, requested before jax is imported.
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    # (Compiled cheaply, as in tests/conftest.py.)
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0"
+        " --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+        " --xla_cpu_parallel_codegen_split_count=1"
+    )
 
 import argparse
 import sys

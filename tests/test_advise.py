@@ -171,7 +171,7 @@ def test_codec_times_are_medians_of_paired_rounds_and_negatives_are_kept():
     assert "Within timing noise" in text and "QSGD 4-bit" in text.splitlines()[-1]
 
 
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_the_crossover_is_where_the_step_equals_dense_fp32s(shared):
     timer = rounds_timer({"dense fp32": [0.010] * 3, "QSGD 4-bit": [0.030] * 3,
                           "bf16 cast": [0.009] * 3, "EF top-k 1%": [5.0] * 3})  # fmt: skip

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import all_compressors, apply, min_size, roundtrip, roundtrip_all
+from helpers import EXTRA_SPECS, all_compressors, apply, min_size, roundtrip, roundtrip_all
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,8 +20,27 @@ import compjax
 
 COMPRESSORS = all_compressors()
 SPECS = list(COMPRESSORS)
+
+
+def run_specs(keep=lambda comp: True) -> list:
+    """Executed specs: the catalogue's compressors in the fast suite, the variants that reach
+    other code paths (EXTRA_SPECS) with -m slow (each variant costs a compile of RUN_CASES)."""
+    return [
+        s if s not in EXTRA_SPECS else pytest.param(s, marks=pytest.mark.slow)
+        for s in SPECS
+        if keep(COMPRESSORS[s])
+    ]
+
+
+RUN_SPECS = run_specs()
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 ALL_SHAPES = ((), (0,), (1,), (7,), (8,), (9,), (3, 5), (2, 3, 4), (4, 0), (63,), (1000,))
+#: (shape, dtype) pairs whose bits are checked by abstract evaluation: every shape in float32
+#: and three in each half precision in the fast suite, every pair with -m slow.
+CORE_CASES = [(s, jnp.float32) for s in ALL_SHAPES] + [
+    (s, d) for s in ((), (9,), (3, 5)) for d in (jnp.bfloat16, jnp.float16)
+]
+EVERY_CASE = [(s, d) for s in ALL_SHAPES for d in (jnp.float32, jnp.bfloat16, jnp.float16)]
 # (shape, dtype) pairs that are executed.
 RUN_CASES = (((3, 3), jnp.float32), ((9,), jnp.bfloat16), ((9,), jnp.float16), ((), jnp.float32))
 KEY = jax.random.key(0)
@@ -48,21 +67,23 @@ def values(seed: int, shape, dtype, exponent: int = 0, sparsity: float = 0.0) ->
     return jnp.asarray(x, dtype=dtype)
 
 
+@pytest.mark.parametrize(
+    "cases", [CORE_CASES, pytest.param(EVERY_CASE, marks=pytest.mark.slow)], ids=["core", "every"]
+)
 @pytest.mark.parametrize("spec", SPECS)
-def test_bits_and_shapes_match_payload(spec):
+def test_bits_and_shapes_match_payload(spec, cases):
     comp = COMPRESSORS[spec]
-    for shape in ALL_SHAPES:
+    for shape, dtype in cases:
         if not accepts(comp, shape):
             continue
-        for dtype in DTYPES:
-            x = jax.ShapeDtypeStruct(shape, dtype)
-            payload = jax.eval_shape(comp.compress, KEY, x)
-            assert compjax.wire_bits(payload) == comp.bits(shape, dtype), (shape, dtype)
-            out = jax.eval_shape(comp.decompress, payload)
-            assert (out.shape, out.dtype) == (shape, dtype)
+        x = jax.ShapeDtypeStruct(shape, dtype)
+        payload = jax.eval_shape(comp.compress, KEY, x)
+        assert compjax.wire_bits(payload) == comp.bits(shape, dtype), (shape, dtype)
+        out = jax.eval_shape(comp.decompress, payload)
+        assert (out.shape, out.dtype) == (shape, dtype)
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", RUN_SPECS)
 @given(
     seed=st.integers(0, 2**31),
     exponent=st.integers(-30, 30),
@@ -84,7 +105,7 @@ def test_round_trip_is_deterministic_for_a_key(spec, seed, exponent, sparsity):
         assert np.all(np.isfinite(np.asarray(y, np.float32)))
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", RUN_SPECS)
 def test_zero_input_gives_zero(spec):
     comp = COMPRESSORS[spec]
     xs = tuple(jnp.zeros(shape, dtype) for shape, dtype in RUN_CASES)
@@ -106,7 +127,7 @@ EXTREMES = {
 }
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", RUN_SPECS)
 def test_extreme_values_stay_finite(spec):
     comp = COMPRESSORS[spec]
     xs = tuple(
@@ -155,7 +176,7 @@ def test_vmap_over_keys_and_inputs(spec):
         np.testing.assert_allclose(over_inputs[i], ref_0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("spec", [s for s in SPECS if not COMPRESSORS[s].deterministic])
+@pytest.mark.parametrize("spec", run_specs(lambda comp: not comp.deterministic))
 def test_different_keys_give_different_noise(spec):
     comp = COMPRESSORS[spec]
     # First on the compiled round trip's small inputs; where those leave no

@@ -143,7 +143,11 @@ def relative_error(a, b) -> float:
 # --- dAD is the pooled gradient ------------------------------------------------------
 
 
-@pytest.mark.parametrize("runner", [on_shard_map, on_pmap], ids=["shard_map", "pmap"])
+@pytest.mark.parametrize(
+    "runner",  # (pmap runs the same collectives: with -m slow)
+    [on_shard_map, pytest.param(on_pmap, marks=pytest.mark.slow)],
+    ids=["shard_map", "pmap"],
+)
 @pytest.mark.parametrize("problem", list(PROBLEMS))
 def test_dad_equals_pooled_full_batch_gradient(problem, runner):
     loss_fn, params, batch = PROBLEMS[problem]()
@@ -313,6 +317,7 @@ def test_bits_count_non_dense_leaves_dense():
     assert bits["dad"] == 32 * (rows + others)
 
 
+@pytest.mark.slow
 def test_rank_dad_error_below_powersgd_at_equal_rank():
     """The paper's claim, for one exchange from a cold start (no error memory, no warm
     start): rank-dAD's mean of per-site rank-r factors (rank up to n r overall) is closer
@@ -367,6 +372,7 @@ def _train(loss_fn, params, batches, grads_fn, lr):
     return np.asarray(run(params, batches))
 
 
+@pytest.mark.slow
 def test_mnist1d_training_with_dad_matches_data_parallel_sgd(mnist1d):
     x, y = mnist1d
     steps, sites, local_batch = 300, 8, 16

@@ -87,8 +87,30 @@ def test_lossless_or_linear_compressor_gives_the_pooled_mean(comp, name):
         assert jnp.all(jnp.isfinite(flat))
 
 
-@pytest.mark.parametrize("comp", [TOP_K, compjax.scaled_sign(), QSGD], ids=str)
-@pytest.mark.parametrize("name", list(EXCHANGES))
+HIERARCHICAL_SG = "hierarchical(scatter_gather)"
+
+
+def exchange_cases(comps, slow=()):
+    """``(comp, name)`` for every exchange; the pairs in ``slow`` (costly compiles whose code
+    paths a faster pair covers) run with -m slow."""
+    return [
+        pytest.param(c, n, id=f"{n}-{c}", marks=[pytest.mark.slow] if (c, n) in slow else [])
+        for n in EXCHANGES
+        for c in comps
+    ]
+
+
+@pytest.mark.parametrize(
+    ("comp", "name"),
+    exchange_cases(
+        [TOP_K, compjax.scaled_sign(), QSGD],
+        slow=[
+            (QSGD, HIERARCHICAL_SG),
+            (compjax.scaled_sign(), HIERARCHICAL_SG),
+            (QSGD, "hierarchical(all_gather)"),
+        ],
+    ),
+)
 def test_exchange_accounts_for_every_entry(comp, name):
     """``sum_i local_i + sum m(before) = n mean + sum m(after)``, exactly (float32)."""
     axes, exchange = EXCHANGES[name]
@@ -136,7 +158,9 @@ def test_error_feedback_loses_nothing(name, dtype):
     np.testing.assert_allclose(applied + kept, inputs, atol=tol)
 
 
-@pytest.mark.parametrize("name", ["scatter_gather", "hierarchical(scatter_gather)"])
+@pytest.mark.parametrize(
+    "name", ["scatter_gather", pytest.param("hierarchical(scatter_gather)", marks=pytest.mark.slow)]
+)
 def test_two_stage_mean_of_unbiased_compressor_is_unbiased(name):
     """QSGD over both stages: the mean of 4000 draws is the pooled mean (chi-square, p = 1e-6)."""
     axes, exchange = EXCHANGES[name]
@@ -196,7 +220,7 @@ def _shard_map_run(tx, xs, mesh, axes):
     "build",
     [
         lambda ex: compjax.error_feedback(TOP_K, AXES, exchange=ex),
-        lambda ex: compjax.diana(QSGD, AXES, exchange=ex),
+        pytest.param(lambda ex: compjax.diana(QSGD, AXES, exchange=ex), marks=pytest.mark.slow),
     ],
     ids=["error_feedback(top_k)", "diana(qsgd)"],
 )
@@ -286,8 +310,12 @@ def test_scatter_gather_sends_one_message_in_shards_and_one_shard(n):
     assert sent["gather"] == (n - 1) * QSGD.bits((d // n,))
 
 
-@pytest.mark.parametrize("name", list(EXCHANGES))
-@pytest.mark.parametrize("comp", [TOP_K, QSGD], ids=str)
+@pytest.mark.parametrize(
+    ("comp", "name"),
+    exchange_cases(
+        [TOP_K, QSGD], slow=[(QSGD, HIERARCHICAL_SG), (QSGD, "hierarchical(all_gather)")]
+    ),
+)
 def test_zero_gradients_give_zeros(comp, name):
     axes, exchange = EXCHANGES[name]
     init, update = vmapped(compjax.error_feedback(comp, axis_arg(axes), exchange=exchange), axes)

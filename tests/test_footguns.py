@@ -63,7 +63,13 @@ def step_fn(opt, mesh, axis, local: bool, check_vma: bool = True):
     return init, run
 
 
-@pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.parametrize(
+    "name",  # (DIANA and DGC take the same check's path: with -m slow)
+    [
+        n if n not in ("diana(qsgd)", "dgc") else pytest.param(n, marks=pytest.mark.slow)
+        for n in BUILDERS
+    ],
+)
 def test_an_already_reduced_gradient_is_refused(name):
     mesh = jax.make_mesh((N,), ("data",))
     opt = optax.chain(BUILDERS[name]("data"), optax.sgd(0.1))

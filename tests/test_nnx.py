@@ -127,7 +127,7 @@ LOSSY = {
 
 @pytest.mark.parametrize(
     "name",
-    [n if n == "powersgd" else pytest.param(n, marks=pytest.mark.slow) for n in LOSSY],
+    [n if n == "ef_top_k" else pytest.param(n, marks=pytest.mark.slow) for n in LOSSY],
 )
 def test_nnx_optimizer_trains_like_the_functional_step(name):
     """Any transformation (stochastic, stateful, low rank) gives the pytree step's result."""

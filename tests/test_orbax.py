@@ -83,13 +83,9 @@ def abstract(tree):
 
 
 #: State kinds the fast suite checkpoints (per-worker memories, server memories, PowerSGD's
-#: None leaves, counters, 1-bit Adam's two memories); the rest run with make test-slow.
-FAST = {
-    "error_feedback(top_k)",
-    "powersgd",
-    "strom_threshold",
-    "onebit_adam",
-}
+#: None leaves, counters); the rest run with make test-slow (1-bit Adam's two memories also
+#: in test_onebit_adam's orbax test).
+FAST = {"error_feedback(top_k)", "powersgd", "strom_threshold"}
 
 
 @pytest.mark.parametrize(

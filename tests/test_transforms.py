@@ -115,12 +115,20 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 
 # pmap runs the same collectives as shard_map: a few transformations in the
 # fast suite, all of them with -m slow.
-PMAP_FAST = {
+PMAP_FAST = {"compress(qsgd)", "sign_majority_vote(psum)"}
+# shard_map: one transformation per code path in the fast suite (a compressor through each
+# exchange, error feedback, the votes, the integer sums), all of them with -m slow.
+SHARD_MAP_FAST = {
     "compress(qsgd)",
-    "diana(qsgd)",
+    "compress(cast)",
+    "error_feedback(top_k)",
+    "error_feedback(scaled_sign, flatten)",
+    "sign_majority_vote(momentum)",
     "sign_majority_vote(psum)",
+    "sign_majority_vote(scatter_gather)",
     "terngrad_allreduce",
     "error_feedback(top_k, scatter_gather)",
+    "compress(int_quant)",
 }
 
 
@@ -130,7 +138,10 @@ def _tolerance(name):
     return 8 * 2.0**-8 if "cast" in name else 1e-6
 
 
-@pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.parametrize(
+    "name",
+    [n if n in SHARD_MAP_FAST else pytest.param(n, marks=pytest.mark.slow) for n in TRANSFORMS],
+)
 def test_shard_map_agrees_with_vmap(name):
     tx = TRANSFORMS[name]("data")
     grads = [worker_grads(N, t) for t in range(3)]
@@ -150,7 +161,9 @@ def test_pmap_agrees_with_vmap(name):
     assert_trees_close(run_pmap(tx, grads, N), simulated, atol=_tolerance(name))
 
 
-@pytest.mark.parametrize("name", ["diana(qsgd)", "error_feedback(top_k)"])
+@pytest.mark.parametrize(
+    "name", [pytest.param("diana(qsgd)", marks=pytest.mark.slow), "error_feedback(top_k)"]
+)
 def test_two_dimensional_mesh_reducing_over_one_axis(name):
     """A (4, 2) mesh: data-parallel over 'data', replicated over 'model'."""
     tx = TRANSFORMS[name]("data")
@@ -262,7 +275,9 @@ def test_sign_majority_vote_semantics():
         np.testing.assert_array_equal(upd["x"], np.broadcast_to(expect, (3, 4)))
 
 
-@pytest.mark.parametrize("n", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "n", [pytest.param(n, marks=pytest.mark.slow) if n != 3 else n for n in (2, 3, 4)]
+)
 def test_sign_vote_scatter_gather_is_the_all_gather_vote(n):
     """Every worker gets the all-gather's vote, ties (even n) included; d = 37 pads the
     last shard.  The messages: the packed signs of n shards, then one shard's outcome in
