@@ -67,6 +67,20 @@ def transforms() -> dict[str, optax.GradientTransformation]:
     }
 
 
+#: One transformation per way a message travels (all-gather, psum of linear payloads, integer
+#: sums, scatter-gather's all-to-all with a server memory, the packed and int8 votes, TernGrad's
+#: shared scale): the fast suite's run; the others repeat those paths (make test-slow).
+FAST_NAMES = (
+    "compress_qsgd",
+    "compress_rand_k_shared",
+    "diana_int_quant",
+    "error_feedback_top_k_scatter_gather",
+    "sign_vote",
+    "signum_psum",
+    "terngrad_allreduce",
+)
+
+
 def worker_grads(worker: int, step: int) -> dict[str, np.ndarray]:
     """Worker ``worker``'s gradient at ``step``: a fixed function of the two."""
     rng = np.random.default_rng([123, worker, step])
@@ -123,13 +137,15 @@ def run_one(tx: optax.GradientTransformation, mesh: Mesh, steps: int) -> dict[st
     return out
 
 
-def run(mesh: Mesh, steps: int = STEPS) -> dict[str, np.ndarray]:
-    """Every transformation's results on ``mesh`` (``WORKERS`` devices on axis ``AXIS``)."""
+def run(mesh: Mesh, steps: int = STEPS, names=None) -> dict[str, np.ndarray]:
+    """The results of the transformations ``names`` (``None``: every one) on ``mesh``
+    (``WORKERS`` devices on axis ``AXIS``)."""
     if mesh.shape != {AXIS: WORKERS}:
         raise ValueError(f"expected a mesh {{{AXIS!r}: {WORKERS}}}, got {dict(mesh.shape)}")
     return {
         f"{label}/{key}": value
         for label, tx in transforms().items()
+        if names is None or label in names
         for key, value in run_one(tx, mesh, steps).items()
     }
 
@@ -141,6 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-processes", type=int, default=2)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", required=True, help="the .npz file to write (process 0)")
+    parser.add_argument("--names", default=None, help="comma-separated transformations (all)")
     return parser.parse_args(argv)
 
 
@@ -161,7 +178,8 @@ def main(argv=None) -> None:
         initialization_timeout=INIT_TIMEOUT_S,
     )
     try:
-        results = run(jax.make_mesh((WORKERS,), (AXIS,)))
+        names = None if args.names is None else args.names.split(",")
+        results = run(jax.make_mesh((WORKERS,), (AXIS,)), names=names)
         if args.process_id == 0:
             np.savez(args.out, **results)
     except BaseException:

@@ -230,6 +230,7 @@ def test_model_sharded_params_are_counted_per_block():
 # -- against the loopback ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 17 s: communication() of 12 methods on the 10.5M-parameter LM
 def test_counts_match_the_traffic_bench_net_measured():
     """``make bench-net``'s committed run (10.5M-parameter LM, 4 gloo processes on a loopback):
     measured bits per worker (8 tx_bytes / steps / n, median over the rates) within 2.5% of

@@ -136,8 +136,19 @@ def test_exchange_accounts_for_every_entry(comp, name):
     np.testing.assert_allclose(left, right, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("name", list(EXCHANGES))
+@pytest.mark.parametrize(
+    ("name", "dtype"),  # (bfloat16 through the hierarchical exchanges: with -m slow)
+    [
+        pytest.param(
+            n,
+            d,
+            id=f"{n}-{jnp.dtype(d).name}",
+            marks=[pytest.mark.slow] if d == jnp.bfloat16 and n.startswith("hier") else [],
+        )
+        for n in EXCHANGES
+        for d in (jnp.float32, jnp.bfloat16)
+    ],
+)
 def test_error_feedback_loses_nothing(name, dtype):
     """Over steps: n * (sum of updates) + worker memories + server memories = sum of inputs."""
     axes, exchange = EXCHANGES[name]

@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from multiprocess_worker import STEPS, WORKERS, run
+from multiprocess_worker import FAST_NAMES, STEPS, WORKERS, run
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 NUM_PROCESSES = 2
@@ -32,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(out: Path, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
+def start_workers(out: Path, logs: Path, names=None) -> list[tuple[subprocess.Popen, Path]]:
     """Start every worker process, each with its output going to a log file."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -42,6 +42,7 @@ def start_workers(out: Path, logs: Path) -> list[tuple[subprocess.Popen, Path]]:
         log = logs / f"worker{i}.log"
         cmd = [sys.executable, str(WORKER), "--process-id", str(i)]
         cmd += ["--num-processes", str(NUM_PROCESSES), "--port", str(port), "--out", str(out)]
+        cmd += [] if names is None else ["--names", ",".join(names)]
         with log.open("wb") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         workers.append((proc, log))
@@ -79,12 +80,22 @@ def report(workers: list[tuple[subprocess.Popen, Path]]) -> str:
     return "\n".join(parts)
 
 
+@pytest.fixture(
+    scope="module",
+    params=[FAST_NAMES, pytest.param(None, marks=pytest.mark.slow)],
+    ids=["each-path", "every-transformation"],
+)
+def names(request):
+    """The transformations run: one per way a message travels, or (slow) all of them."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def distributed(tmp_path_factory) -> dict[str, np.ndarray]:
+def distributed(tmp_path_factory, names) -> dict[str, np.ndarray]:
     """Results of the two-process run."""
     tmp = tmp_path_factory.mktemp("multiprocess")
     out = tmp / "results.npz"
-    workers = start_workers(out, tmp)
+    workers = start_workers(out, tmp, names)
     try:
         failure = wait_all(workers, TIMEOUT_S)
     finally:
@@ -96,10 +107,10 @@ def distributed(tmp_path_factory) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, np.ndarray]:
+def reference(names) -> dict[str, np.ndarray]:
     """Results of the same computation on 4 devices of this process."""
     mesh = jax.make_mesh((WORKERS,), ("data",), devices=jax.devices()[:WORKERS])
-    return run(mesh)
+    return run(mesh, names=names)
 
 
 def test_reference_is_not_trivial(reference):

@@ -64,7 +64,9 @@ def reference(q0, steps, rank, start_iter=0, n=N, error_feedback=True):
 
 
 @pytest.mark.parametrize(
-    "start_iter,error_feedback", [(0, True), (2, True), (0, False)], ids=["ef", "start2", "no_ef"]
+    "start_iter,error_feedback",
+    [(0, True), pytest.param(2, True, marks=pytest.mark.slow), (0, False)],
+    ids=["ef", "start2", "no_ef"],
 )
 def test_matches_reference(start_iter, error_feedback):
     tx = compjax.powersgd(2, "data", start_iter=start_iter, error_feedback=error_feedback)
