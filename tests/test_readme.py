@@ -152,3 +152,32 @@ def test_tables_are_generated_from_metadata():
         "run `make readme-table`"
     )
     assert docs == {(table.START, table.END): table.markdown_table()}, "run `make readme-table`"
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor as GitHub (and the docs, ``myst_heading_anchors``) make it."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    headings, in_fence = [], False
+    for line in path.read_text().splitlines():
+        if FENCE.match(line):
+            in_fence = not in_fence
+        elif not in_fence and line.startswith("#"):
+            headings.append(line.lstrip("#"))
+    return {slug(h) for h in headings}
+
+
+def test_readme_links_reach_their_pages_and_headings():
+    """The README's relative links name files that exist and, with ``#``, their headings."""
+    links = re.findall(r"\]\(([^)\s]+)\)", README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert any("#" in link for link in local)
+    for link in local:
+        target, _, anchor = link.partition("#")
+        path = ROOT / target
+        assert path.exists(), f"README links {link}: no {target}"
+        if anchor:
+            assert anchor in anchors(path), f"README links {link}: no such heading"
