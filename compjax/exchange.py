@@ -210,25 +210,33 @@ def compressed_mean(
         raise ValueError(
             f"fast_axis {exchange.fast_axis!r} must be one of the axes in axis_name {axis_name!r}"
         )
-    n = num_workers(axis_name)
+    return _exchanged(comp, key, x, names, fast, exchange.kind, memory, guard=True)
+
+
+def _exchanged(comp, key, x, names, fast, kind, memory, guard):
+    """:func:`compressed_mean` after its checks.  ``guard``: a sum that overflows float32 is
+    resent pre-scaled (:mod:`compjax.overflow`); off for the slow stage of a hierarchical
+    exchange, whose whole run is guarded once."""
+    n = num_workers(names)
     if n == 1:
         payload = comp.compress(key, x)
         via = "all_reduce" if comp.linear or summable(comp) else "all_gather"
-        record("payload", payload, via, axis_name)
+        record("payload", payload, via, names)
         local = comp.decompress(payload)
         return Exchanged(mean=local, local=local, memory=memory)
+    guarded = rescaled_if_overflow if guard else _unguarded
     if fast:
         slow = tuple(a for a in names if a not in fast)
-        mean, local, memory = rescaled_if_overflow(
-            lambda xs, ms: _hierarchical(comp, key, xs, ms, slow, fast, exchange.kind), x, memory, n
+        mean, local, memory = guarded(
+            lambda xs, ms: _hierarchical(comp, key, xs, ms, slow, fast, kind), x, memory, n
         )
     elif summable(comp):
-        mean, local = _summed(comp, key, x.reshape(-1), names, n)
-    elif comp.linear or exchange.kind == "all_gather":
-        mean, local = _gathered(comp, key, x, names, n)
+        mean, local = _summed(comp, key, x.reshape(-1), names, n, guard)
+    elif comp.linear or kind == "all_gather":
+        mean, local = _gathered(comp, key, x, names, n, guard)
     else:
         flat_memory = None if memory is None else memory.reshape(-1)
-        mean, local, memory = rescaled_if_overflow(
+        mean, local, memory = guarded(
             lambda xs, ms: _scatter_gather(comp, key, xs, ms, names, n),
             x.reshape(-1),
             flat_memory,
@@ -242,7 +250,13 @@ def compressed_mean(
     return Exchanged(mean=as_x(mean), local=as_x(local), memory=memory)
 
 
-def _gathered(comp, key, x, names, n):
+def _unguarded(run, x, memory, n):
+    """``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory)``, unguarded."""
+    total, local, memory = run(x, memory)
+    return total / n, local, memory
+
+
+def _gathered(comp, key, x, names, n, guard=True):
     """All-gather (or, for a linear compressor, psum): ``(mean over workers, own decoded)``."""
     if comp.linear:
 
@@ -253,18 +267,22 @@ def _gathered(comp, key, x, names, n):
             return comp.decompress(total).astype(jnp.float32), payload
 
         total, payload = summed(1.0)
+        if not guard:
+            return total / n, comp.decompress(payload)
         # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
         return mean_without_overflow(total, lambda s: summed(s)[0], n), comp.decompress(payload)
     payload = comp.compress(collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
     gathered = collectives.all_gather(payload, names)
     total = decoded_sum(comp, gathered, n)
+    if not guard:
+        return total / n, comp.decompress(payload)
     return mean_without_overflow(
         total, lambda s: decoded_sum(comp, gathered, n, s), n
     ), comp.decompress(payload)
 
 
-def _summed(comp, key, flat, names, n):
+def _summed(comp, key, flat, names, n, guard=True):
     """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``.
 
     A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
@@ -280,7 +298,11 @@ def _summed(comp, key, flat, names, n):
     m = flat.shape[0]
     summed = collectives.psum(words, names)
     total = comp.decode_words(summed, scale, n, n, m)
-    mean = mean_without_overflow(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
+    mean = (
+        mean_without_overflow(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
+        if guard
+        else total / n
+    )
     own = comp.decode_words(words, scale, 1, n, m)
     return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d)
 
@@ -391,7 +413,8 @@ def _hierarchical(comp, key, x, memory, slow, fast, kind):
     inner_memory = None if memory is None else block_of(memory.reshape(-1), k, n_fast)
     if slow:
         n_slow = num_workers(slow)
-        inner = compressed_mean(comp, inner_key, group, slow, Exchange(kind), inner_memory)
+        # unguarded: the whole hierarchical run is resent pre-scaled if it overflows
+        inner = _exchanged(comp, inner_key, group, slow, (), kind, inner_memory, guard=False)
         shard_total = inner.mean.astype(jnp.float32) * n_slow
         shard_local, inner_memory = inner.local, inner.memory
     else:

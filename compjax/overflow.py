@@ -3,8 +3,14 @@
 ``n`` workers each sending values near float32's largest value sum to Inf.
 The helpers here keep the plain ``sum / n`` (bit for bit) wherever the sum
 is finite, and only on steps where it overflowed run the sum again on the
-values pre-scaled by an exact power of two (``lax.cond``: nothing extra is
-sent otherwise, and a resent message is not logged as traffic).
+values pre-scaled by an exact power of two: nothing extra is sent otherwise,
+and a resent message is not logged as traffic.
+
+The second run is the body of a ``while_loop`` that runs at most once, not
+a branch of a ``lax.cond``: under ``vmap`` (simulated workers) a ``cond`` on
+a per-worker predicate becomes a select that runs both branches on every
+step.  A whole exchange run again is the same jitted function called on
+arguments of the same types, so JAX traces it once.
 """
 
 from __future__ import annotations
@@ -51,14 +57,27 @@ def mean_without_overflow(total: jax.Array, rescaled, n: int) -> jax.Array:
     a resent message is not logged as traffic).
     """
     down, up = prescale(n)
-    plain = total / n
 
-    def fallback():
+    def again():
         with collectives.unrecorded():
-            again = scaled_back(rescaled(down), up)
-        return jnp.where(jnp.isfinite(total), plain, again)
+            return jnp.where(jnp.isfinite(total), total / n, scaled_back(rescaled(down), up))
 
-    return jax.lax.cond(jnp.all(jnp.isfinite(total)), lambda: plain, fallback)
+    return once_more_if_not_finite(total, total / n, again)
+
+
+def once_more_if_not_finite(total: jax.Array, first, again):
+    """``first``, or ``again()`` on a step where ``total`` has an Inf or NaN.
+
+    A ``while_loop`` whose body runs at most once (and, under ``vmap``, only on
+    steps where some worker's ``total`` is not finite): see the module docstring.
+    """
+    retry = jnp.logical_not(jnp.all(jnp.isfinite(total)))
+
+    def body(carry):
+        retry, _ = carry
+        return jnp.logical_and(retry, False), again()
+
+    return jax.lax.while_loop(lambda carry: carry[0], body, (retry, first))[1]
 
 
 def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
@@ -71,19 +90,19 @@ def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
     results scaled back (the mean by ``2**(k + HEADROOM) / n``, ``local`` and
     the memory by ``2**(k + HEADROOM)``, saturating at float32's largest value).
     """
+    run = jax.jit(run)  # called twice on the same types: traced once
     total, local, new_memory = run(x, memory)
     # float16's narrow exponent has no room for the headroom (and its decodes saturate at 65504).
     wide = jnp.finfo(x.dtype).maxexp >= jnp.finfo(jnp.float32).maxexp
     down, up = prescale(n, HEADROOM if wide else 0)
 
-    def fallback():
+    def again():
         with collectives.unrecorded():
-            ms = None if memory is None else memory * down
+            ms = None if memory is None else memory * jnp.asarray(down, memory.dtype)
             t, lo, m = run(x * jnp.asarray(down, x.dtype), ms)
         scale = 1.0 / down
         lo = scaled_back(lo, scale).astype(local.dtype)
         m = None if m is None else scaled_back(m, scale).astype(new_memory.dtype)
         return scaled_back(t, up), lo, m
 
-    plain = (total / n, local, new_memory)
-    return jax.lax.cond(jnp.all(jnp.isfinite(total)), lambda: plain, fallback)
+    return once_more_if_not_finite(total, (total / n, local, new_memory), again)
