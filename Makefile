@@ -6,11 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-slow test-peers proofs bench bench-net bench-e2e lint format figures readme-table docs clean
 
+# Python writes the bytecode of the modules it imports as it first imports them, rather than
+# pip compiling every installed module up front (half of a fresh install's 40 s).
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev,experiments,docs]'
+	$(PY) -m pip install -q --no-compile -e '.[dev,experiments]'
 	touch $(STAMP)
+
+# Sphinx and its theme, for make docs and the docs build of make test-slow.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-compile -e '.[docs]'
+	touch $(DOCS_STAMP)
 
 ## make test: lint, then the fast test suite on both cores (CI runs this).  Each test file
 ## stays on one core (--dist loadfile), so its compiled programs and module fixtures are
@@ -21,7 +30,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 ## make test-slow: the long statistical and training tests.
-test-slow: $(STAMP)
+test-slow: $(DOCS_STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 ## make test-peers: install the CPU PyTorch build and run the cross-checks against it.
@@ -64,8 +73,8 @@ bench: $(STAMP)
 	$(PY) -m experiments.bench
 
 ## make docs: the documentation (guides and the API reference from the docstrings) into
-## docs/_build/html; every warning is an error.  The tests build it too (tests/test_docs.py).
-docs: $(STAMP)
+## docs/_build/html; every warning is an error.  make test-slow builds it too (tests/test_docs.py).
+docs: $(DOCS_STAMP)
 	$(PY) -m sphinx -W --keep-going -j 1 -b html docs docs/_build/html
 
 ## make readme-table: regenerate the compressor tables of README.md and docs/compressors.md from the code.

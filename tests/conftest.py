@@ -36,7 +36,7 @@ if "JAX_COMPILATION_CACHE_DIR" in os.environ:
 # "ci" is deterministic (derandomize) and small; "dev" explores more.
 settings.register_profile(
     "ci",
-    max_examples=25,
+    max_examples=15,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],

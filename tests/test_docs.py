@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import compjax
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,6 +92,7 @@ def test_api_reference_lists_only_real_names():
         assert hasattr(module, attribute), f"docs/api lists {name}, which does not exist"
 
 
+@pytest.mark.slow  # 16 s: make test-slow (and make docs) build it; the name checks run fast
 def test_docs_build_without_warnings(tmp_path):
     """``make docs``'s build in a fresh output folder, every warning an error.  The ``dummy``
     builder reads every page, generates and renders the API reference from the docstrings and

@@ -1,5 +1,6 @@
 """Every script of ``examples/`` runs, in its few-steps mode (``--steps``), as ``__main__`` in
-one subprocess (the scripts in turn, JAX initialised once); the launcher in its own.
+one subprocess (the scripts in turn, JAX initialised once); the launcher in its own.  ``make
+test`` runs one script; ``make test-slow`` the others and the launcher.
 
 The scripts run with this checkout's compjax (``PYTHONPATH``) and the test session's XLA flags
 (8 simulated CPU devices, compiled cheaply: see ``conftest.py``).
@@ -52,6 +53,9 @@ def final_loss(out: str) -> float:
 
 
 SCRIPTS = ("linen_lm.py", "nnx_mlp.py", "jit_data_parallel.py", "fsdp_linen.py")
+#: The one script ``make test`` runs (the shortest path: a jitted data-parallel step); the
+#: others, and the multi-process launcher, run with ``make test-slow`` (8-11 s each here).
+FAST = ("jit_data_parallel.py",)
 
 #: Runs each script given on its command line as ``__main__`` with ``--steps``, in turn in
 #: this one process (JAX is imported and initialised once for all of them), and prints
@@ -75,17 +79,27 @@ print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def outputs() -> dict:
-    """Every script's ``[ok, output]``, all run in one subprocess (as ``python script.py``)."""
+def outputs(request) -> dict:
+    """The selected scripts' ``[ok, output]``, all run in one subprocess (each as ``python
+    script.py``)."""
     import json
 
-    paths = [str(EXAMPLES / s) for s in SCRIPTS]
+    selected = {
+        item.callspec.params["script"]
+        for item in request.session.items  # those -m selected
+        if item.path == request.path and item.originalname == "test_example_runs"
+    }
+    paths = [str(EXAMPLES / s) for s in SCRIPTS if s in selected]
     out = run([sys.executable, "-c", RUNNER, str(STEPS), *paths])
     found = json.loads(out.strip().splitlines()[-1])
     return {pathlib.Path(p).name: tuple(v) for p, v in found.items()}
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: s)
+@pytest.mark.parametrize(
+    "script",
+    [s if s in FAST else pytest.param(s, marks=pytest.mark.slow) for s in SCRIPTS],
+    ids=lambda s: s,
+)
 def test_example_runs(script, outputs):
     ok, out = outputs[script]
     assert ok, out
@@ -99,6 +113,7 @@ def test_every_example_is_tested():
     assert {p.name for p in (EXAMPLES / "multiprocess").iterdir()} >= {"launch.sh", "worker.py"}
 
 
+@pytest.mark.slow
 def test_multiprocess_example_runs():
     """Two ``jax.distributed`` processes started by the launcher end with the same params."""
     out = run(["bash", str(EXAMPLES / "multiprocess" / "launch.sh"), "--steps", str(STEPS)])

@@ -177,7 +177,7 @@ def test_nnx_grad_without_worker_copy_is_refused():
         step(state, *(jax.device_put(a, shard) for a in next(batches())))
 
 
-@pytest.mark.parametrize("has_aux", [False, True])
+@pytest.mark.parametrize("has_aux", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_loss_reduced_over_the_workers_is_refused(has_aux):
     """A pmean inside the loss would make each worker's gradient 1/n of its own, silently."""
     model = MLP(nnx.Rngs(0))

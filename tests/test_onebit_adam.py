@@ -349,6 +349,7 @@ def _loss(p, x, y):
     return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
 
 
+@pytest.mark.slow  # 6 s; test_orbax and test_training restore error memories fast
 def test_orbax_checkpoint_keeps_the_error_buffers(tmp_path):
     """Save in the compression phase, restore onto the mesh, continue bit-identically."""
     mesh = jax.make_mesh((N,), ("data",))

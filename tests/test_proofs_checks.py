@@ -60,7 +60,7 @@ def test_fast_mode_passes():
         assert r.source.replace("|", "\\|") in markdown
 
 
-@pytest.mark.slow  # 6 s; test_workers_sharing_randomness_is_caught is the fast mutation test
+@pytest.mark.slow  # 6 s
 @pytest.mark.parametrize("factor", [0.5, 2.0])
 def test_a_wrong_qsgd_omega_is_caught(broken, factor):
     original = compjax.compressors.qsgd.qsgd_omega
@@ -110,6 +110,7 @@ def test_a_wrong_int_quant_omega_is_caught(broken, factor):
     assert by_claim(results, "integer quantization is unbiased")[0].verdict == PASS
 
 
+@pytest.mark.slow  # 8 s; test_workers_sharing_randomness_is_caught is the fast mutation test
 def test_a_biased_sampler_is_caught(broken):
     original = compjax.compressors.terngrad.ternarize
 

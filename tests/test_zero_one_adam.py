@@ -161,6 +161,7 @@ def _deepspeed_run(schedule):
     return outs, changed
 
 
+@pytest.mark.slow  # 7 s; the numpy reference tests run the schedule fast
 def test_deepspeed_schedule_matches_a_transcription_of_its_counting():
     """Fed the same gradients (kappa=2, freeze 12), DeepSpeed updates the variance on steps
     1, 2, 3, 5, 7, 11 and compjax's default on 1, 2, 4, 6, 8, 12; ``schedule="deepspeed"``
