@@ -148,7 +148,10 @@ def relative_error(a, b) -> float:
     [on_shard_map, pytest.param(on_pmap, marks=pytest.mark.slow)],
     ids=["shard_map", "pmap"],
 )
-@pytest.mark.parametrize("problem", list(PROBLEMS))
+@pytest.mark.parametrize(
+    "problem",  # (the transformer block: with -m slow; its capture is tested fast above)
+    ["mlp", pytest.param("transformer", marks=pytest.mark.slow)],
+)
 def test_dad_equals_pooled_full_batch_gradient(problem, runner):
     loss_fn, params, batch = PROBLEMS[problem]()
     pooled = pooled_grad(loss_fn, params, batch)

@@ -165,6 +165,7 @@ def test_nnx_grad_without_worker_copy_is_refused():
     graphdef, state = nnx.split((model, optimizer))
     specs = compjax.state_specs(state, "data")
 
+    @jax.jit  # one program, not op by op
     @partial(jax.shard_map, mesh=mesh(), in_specs=(specs, P("data"), P("data")), out_specs=specs)
     def step(state, x, y):
         model, optimizer = nnx.merge(graphdef, state)
@@ -187,6 +188,7 @@ def test_a_loss_reduced_over_the_workers_is_refused(has_aux):
         loss = jax.lax.pmean(loss_fn(m, x, y), "data")
         return (loss, jnp.sum(x)) if has_aux else loss
 
+    @jax.jit  # one program, not op by op
     @partial(jax.shard_map, mesh=mesh(), in_specs=(P(), P("data"), P("data")), out_specs=P())
     def run(state, x, y):
         model = nnx.merge(graphdef, state)
@@ -205,6 +207,7 @@ def test_value_and_grad_restores_the_shared_params_and_reports_aux():
     def with_aux(m, x, y):
         return loss_fn(m, x, y), jnp.sum(x)
 
+    @jax.jit  # one program, not op by op
     @partial(jax.shard_map, mesh=mesh(), in_specs=(P(), P("data"), P("data")), out_specs=P())
     def run(state, x, y):
         model = nnx.merge(graphdef, state)

@@ -302,6 +302,7 @@ def test_pmap_is_the_reference():
             np.testing.assert_allclose(got, updates[t], rtol=2e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # 3 s; test_training schedules DIANA's alpha by inject_hyperparams fast
 def test_an_injected_learning_rate_schedule():
     ref = reference_tree(GRADS, N, FREEZE, server_stage=True)
     opt = optax.inject_hyperparams(compjax.onebit_adam, static_args=("axis_name", "freeze_step"))(
