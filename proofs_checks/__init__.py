@@ -37,6 +37,7 @@ MODULES = (
     "onebit_adam",
     "diana",
     "dad",
+    "local_sgd",
 )
 
 

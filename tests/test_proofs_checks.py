@@ -6,6 +6,7 @@ sampler, workers sharing their randomness) and assert that the claims that
 depend on it FAIL.
 """
 
+import dataclasses
 import math
 import pathlib
 import sys
@@ -22,6 +23,7 @@ import compjax.compressors.eden
 import compjax.compressors.qsgd
 import compjax.compressors.terngrad
 import compjax.exchange
+import compjax.transforms.diloco
 from proofs_checks import FAIL, MODULES, PASS, SKIPPED, run_all
 from proofs_checks.__main__ import main, report_markdown, table_text
 
@@ -141,6 +143,24 @@ def test_a_reduce_phase_that_drops_a_worker_is_caught(broken):
     results, _ = run_all(fast=True, modules=("two_stage",))
     assert by_claim(results, "scatter-gather mean of an unbiased")[0].verdict == FAIL
     assert by_claim(results, "scatter-gather variance is exactly")[0].verdict == FAIL
+
+
+@pytest.mark.slow  # 10 s: the local-SGD module in fast mode
+def test_a_diloco_mean_that_loses_a_worker_is_caught(broken):
+    """DiLoCo's outer step gets 3/4 of the mean pseudo-gradient (one of the 4 workers lost)."""
+    module = compjax.transforms.diloco
+    original = module.compressed_mean
+
+    def lossy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return dataclasses.replace(out, mean=0.75 * out.mean)
+
+    broken.setattr(module, "compressed_mean", lossy)
+    results, _ = run_all(fast=True, modules=("local_sgd",))
+    assert by_claim(results, "DiLoCo with H = 1")[0].verdict == FAIL
+    assert by_claim(results, "DiLoCo with H > 1")[0].verdict == FAIL
+    # The workers still restart from the (wrong) global params.
+    assert by_claim(results, "after a sync every worker")[0].verdict == PASS
 
 
 def test_cli_exit_status(tmp_path, capsys):
