@@ -10,7 +10,10 @@ Imported (by ``tests/test_multiprocess.py``), :func:`run` computes the same
 updates on any mesh of the current process, e.g. 4 of its simulated devices.
 Every worker's gradient depends only on its index and the step, so the two
 runs must agree.  The :func:`compjax.fsdp` cases train a small model on a
-batch split over the workers, and compare the params after each step.
+batch split over the workers, and compare the params after each step; the
+:func:`compjax.diloco` cases train the same model on per-worker params
+(:func:`compjax.local_steps`) and compare every worker's params and the global
+params after each step.
 """
 
 import os
@@ -102,6 +105,27 @@ def fsdp_cases() -> dict[str, dict]:
             "gather": "int8",
             "gather_block": 8,
         },
+    }
+
+
+#: compjax.diloco's cases (slow suite only): inner SGD on each worker's own params, the
+#: paper's outer Nesterov step every ``DILOCO_H`` steps (``STEPS`` holds a sync), with the
+#: exact mean, with unbiased integer codes summed as integers, and with top-k and an error
+#: memory per worker.  They train the fsdp cases' model on the same batches.
+DILOCO_H = 2
+
+
+def diloco_cases() -> dict[str, optax.GradientTransformation]:
+    """:func:`compjax.diloco` transformations under test."""
+
+    def diloco(**kwargs):
+        outer = optax.sgd(0.7, momentum=0.9, nesterov=True)
+        return compjax.diloco(optax.sgd(0.1), outer, DILOCO_H, AXIS, **kwargs)
+
+    return {
+        "diloco_nesterov": diloco(),
+        "diloco_int_quant": diloco(compressor=compjax.int_quant(8)),
+        "diloco_top_k_ef": diloco(compressor=compjax.top_k(ratio=0.3)),
     }
 
 
@@ -199,6 +223,31 @@ def run_fsdp(kwargs: dict, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
     return out
 
 
+def run_diloco(tx: optax.GradientTransformation, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
+    """:func:`compjax.local_steps` with ``tx``: after each of ``steps`` steps every worker's
+    params (stacked), the global params and the loss; then the final state's leaves."""
+    init = {
+        name: np.linspace(-0.5, 0.5, int(np.prod(shape)), dtype=np.float32).reshape(shape)
+        for name, shape in FSDP_SHAPES.items()
+    }
+    params = to_global(init, mesh, P())
+    ls = compjax.local_steps(fsdp_loss, tx, params, mesh, AXIS)
+    local, state = ls.init(params)
+    out = {}
+    for step in range(steps):
+        x, y = fsdp_batch(step)
+        batch = to_global({"x": x, "y": y}, mesh, P(AXIS))
+        local, state, loss = ls.step(local, state, batch["x"], batch["y"])
+        for name, value in to_host(local).items():
+            out[f"step{step}/local_{name}"] = value
+        for name, value in to_host(compjax.global_params(state)).items():
+            out[f"step{step}/global_{name}"] = value
+        out[f"step{step}/loss"] = np.asarray(to_host({"loss": loss})["loss"])
+    for i, leaf in enumerate(jax.tree.leaves(to_host(state))):
+        out[f"state/{i}"] = leaf
+    return out
+
+
 def run(mesh: Mesh, steps: int = STEPS, names=None) -> dict[str, np.ndarray]:
     """The results of the transformations ``names`` (``None``: every one) on ``mesh``
     (``WORKERS`` devices on axis ``AXIS``)."""
@@ -213,6 +262,9 @@ def run(mesh: Mesh, steps: int = STEPS, names=None) -> dict[str, np.ndarray]:
     for label, kwargs in fsdp_cases().items():
         if names is None or label in names:
             out.update({f"{label}/{k}": v for k, v in run_fsdp(kwargs, mesh, steps).items()})
+    for label, tx in diloco_cases().items():
+        if names is None or label in names:
+            out.update({f"{label}/{k}": v for k, v in run_diloco(tx, mesh, steps).items()})
     return out
 
 
@@ -224,7 +276,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--out", required=True, help="the .npz file to write (process 0)")
     parser.add_argument(
-        "--names", default=None, help="comma-separated transformations and fsdp cases (all)"
+        "--names",
+        default=None,
+        help="comma-separated transformations, fsdp and diloco cases (all)",
     )
     return parser.parse_args(argv)
 

@@ -2,7 +2,8 @@
 
 Two worker processes (``tests/multiprocess_worker.py``) join a job on
 127.0.0.1 with gloo CPU collectives, 2 devices each, and run the
-transformations and :func:`compjax.fsdp` steps over a 4-device global mesh.
+transformations, :func:`compjax.fsdp` steps and :func:`compjax.diloco`'s local steps
+(slow suite) over a 4-device global mesh.
 Their updates (and final states) must equal those of the same code on 4
 devices of this process.
 """
