@@ -61,8 +61,9 @@ def main() -> None:
     workers = jax.device_count()
     mesh = jax.make_mesh((workers,), ("data",))
     model = MLP(nnx.Rngs(0))
-    # The trainable parameters, a pytree (nnx.State) that compjax.fsdp shards; `rest` holds any
-    # other state (none in this MLP), passed through unchanged.
+    # The trainable parameters, a pytree (nnx.State) that compjax.fsdp shards.  `rest` is any
+    # other state (none in this MLP): the loss reads it as a constant, and fsdp's step returns
+    # no updates of it (batch statistics, RNG counts would stay as they are here).
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_fn(params, x, y):  # this worker's own mean loss: no pmean inside
