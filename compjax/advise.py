@@ -33,6 +33,13 @@ a recommendation: the method with the shortest step.  Speedups are
 against dense float32 and against the bf16 cast.  A parameter count
 stands for a matrix of 1024 columns (and a vector of the rest), so that
 PowerSGD has a matrix to factor.
+
+A shorter step is not a shorter training: a method that needs more steps
+to reach the same quality can lose with a faster step.  ``steps_factor``
+(``--steps-factor METHOD=X``) gives a method's steps to a quality target
+over dense float32's (from ``make bench-e2e``'s table or your own runs);
+every method's time to quality is then ``X * step``, and the speedups,
+crossovers and the recommendation are about that time, not the step's.
 """
 
 from __future__ import annotations
@@ -114,6 +121,12 @@ class Advice:
         method that sends more than dense but whose update is cheaper).
       crossover_range_gbps: ``crossover_gbps`` at the codec's most and least
         per-round times.
+      steps_factor: steps to a quality target over dense float32's (1 unless given).
+      quality_fp32, quality_bf16: dense float32's and the bf16 cast's time to the target
+        (``steps_factor * step_s``) over this one's.
+
+    With a ``steps_factor``, ``crossover_gbps`` and ``pays_below`` are about the
+    time to the target.
     """
 
     method: str
@@ -128,6 +141,15 @@ class Advice:
     crossover_gbps: float = math.nan
     pays_below: bool = True
     crossover_range_gbps: tuple[float, float] = (math.nan, math.nan)
+    steps_factor: float = 1.0
+    quality_fp32: float = math.nan
+    quality_bf16: float = math.nan
+
+    @property
+    def quality_s(self) -> float:
+        """The time to the quality target, in dense float32's steps' units: ``steps_factor *
+        step_s``."""
+        return self.steps_factor * self.step_s
 
     @property
     def noisy(self) -> bool:
@@ -290,6 +312,21 @@ def crossover(dense: tuple[float, float], method: tuple[float, float]) -> tuple[
     return saved / extra, saved > 0  # both positive (pays below) or both negative (above)
 
 
+def _steps_factors(given: Mapping[str, float] | None, exchange: str) -> dict[str, float]:
+    """Every method's steps factor (1 where not given); a ``ValueError`` names a bad one."""
+    names = list(methods(exchange))
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"steps_factor: unknown methods {unknown}; the methods are {names}")
+    for name, value in given.items():
+        if not isinstance(value, int | float | np.number) or not 0 < value < math.inf:
+            raise ValueError(f"steps_factor: {name!r} must be finite and > 0, got {value!r}")
+    if given.get(DENSE, 1.0) != 1.0:
+        raise ValueError(f"steps_factor: {DENSE!r} is the reference (1), got {given[DENSE]!r}")
+    return {name: float(given.get(name, 1.0)) for name in names}
+
+
 def advise(
     params: Any,
     workers: int,
@@ -303,6 +340,7 @@ def advise(
     sample_entries: int = SAMPLE_ENTRIES,
     clock: str = "wall",
     timer: Callable[..., Mapping[str, Sequence[float]]] = time_updates,
+    steps_factor: Mapping[str, float] | None = None,
 ) -> list[Advice]:
     """Predicted step time, speedup and crossover bandwidth of every method of :func:`methods`.
 
@@ -319,6 +357,9 @@ def advise(
       clock: ``"wall"`` or ``"process"`` (CPU time; see :func:`time_updates`).
       timer: ``timer(txs, params, repeats, sample_entries, clock)``: ``{name:
         seconds per round}`` of one worker's update (:func:`time_updates`).
+      steps_factor: ``{method: its steps to a quality target over dense float32's}``
+        (finite, > 0; methods not named: 1): speedups, crossovers and the
+        recommendation are then about the time to the target.
 
     Returns:
       One :class:`Advice` per method, dense float32 first.
@@ -339,6 +380,7 @@ def advise(
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     params = as_params(params)
+    factors = _steps_factors(steps_factor, exchange)
     kind = costmodel.SharedMedium if shared else costmodel.Network
     network = kind(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
     concrete = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
@@ -361,7 +403,10 @@ def advise(
 
     def crossing(name: str, codec: float) -> tuple[float, bool]:
         (latency, per_gbps), (dense_latency, dense_per_gbps) = lines[name], lines[DENSE]
-        return crossover((base + dense_latency, dense_per_gbps), (base + codec + latency, per_gbps))
+        f = factors[name]  # time to quality: f steps' worth of this method's step
+        return crossover(
+            (base + dense_latency, dense_per_gbps), (f * (base + codec + latency), f * per_gbps)
+        )
 
     out = []
     for name in txs:
@@ -375,6 +420,9 @@ def advise(
             step_s=steps[name],
             speedup_fp32=steps[DENSE] / steps[name],
             speedup_bf16=steps[BF16] / steps[name],
+            steps_factor=factors[name],
+            quality_fp32=steps[DENSE] / (factors[name] * steps[name]),
+            quality_bf16=factors[BF16] * steps[BF16] / (factors[name] * steps[name]),
         )
         if name != DENSE:
             gbps, below = crossing(name, codecs[name])
@@ -405,17 +453,28 @@ def crossover_text(a: Advice, *, spread: bool = False) -> str:
     return f"{text} ({low} to {high})" if spread and low != high else text
 
 
+def _by_quality(advice: Sequence[Advice]) -> bool:
+    """Whether a steps factor was given: then the answers are about time to quality."""
+    return any(a.steps_factor != 1.0 for a in advice)
+
+
 def table(advice: Sequence[Advice]) -> str:
-    """The advice as an aligned text table."""
+    """The advice as an aligned text table (with steps factors: the times to quality too)."""
+    quality = _by_quality(advice)
     rows = [("method", "Mbit/worker", "travels by", "codec ms (range)", "comm ms", "step ms",
-             "x fp32", "x bf16", "pays at Gbit/s")]  # fmt: skip
+             "x fp32", "x bf16")]  # fmt: skip
+    rows[0] += ("steps x", "to target x fp32", "x bf16") if quality else ()
+    rows[0] += ("pays at Gbit/s",)
     for a in advice:
         routes = ", ".join(sorted({via for via, _ in a.routes}))
         low, high = (1e3 * v for v in a.codec_range_s)
         codec = "-" if a.method == DENSE else f"{1e3 * a.codec_s:.1f} ({low:.1f} to {high:.1f})"
-        rows.append((a.method, f"{a.bits_per_worker / 1e6:.2f}", routes, codec,
-                     f"{1e3 * a.comm_s:.1f}", f"{1e3 * a.step_s:.1f}", f"{a.speedup_fp32:.2f}",
-                     f"{a.speedup_bf16:.2f}", crossover_text(a, spread=True)))  # fmt: skip
+        row = (a.method, f"{a.bits_per_worker / 1e6:.2f}", routes, codec,
+               f"{1e3 * a.comm_s:.1f}", f"{1e3 * a.step_s:.1f}", f"{a.speedup_fp32:.2f}",
+               f"{a.speedup_bf16:.2f}")  # fmt: skip
+        if quality:
+            row += (f"{a.steps_factor:g}", f"{a.quality_fp32:.2f}", f"{a.quality_bf16:.2f}")
+        rows.append((*row, crossover_text(a, spread=True)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -423,15 +482,18 @@ def table(advice: Sequence[Advice]) -> str:
 
 
 def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
-    """The answer: the method with the shortest step, how much it gains, where it stops
-    paying, and which codec times were within their timing noise."""
-    best = min(advice, key=lambda a: a.step_s)
+    """The answer: the method with the shortest step (with steps factors: the shortest time to
+    quality), how much it gains, where it stops paying, and which codec times were within
+    their timing noise."""
+    quality = _by_quality(advice)
+    best = min(advice, key=lambda a: a.quality_s)
     dense = advice[0]
     at = f"at {bandwidth_gbps:g} Gbit/s"
+    what = "time to quality" if quality else "step"
     if best.method == DENSE:
         payers = [a for a in advice[1:] if a.pays_below and a.crossover_gbps > 0]
         first = max(payers, key=lambda a: a.crossover_gbps, default=None)
-        text = f"Recommendation: dense fp32; no method's step is shorter {at}"
+        text = f"Recommendation: dense fp32; no method's {what} is shorter {at}"
         if first is not None:
             text += (f" (as the bandwidth falls, the first to pay is {first.method}, below "
                      f"{_gbps(first.crossover_gbps)} Gbit/s)")  # fmt: skip
@@ -441,9 +503,16 @@ def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
             math.inf: "at every bandwidth",
             0.0: "at no bandwidth",
         }.get(best.crossover_gbps, f"{crossover_text(best)} Gbit/s")
-        text = (f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32's step and "
-                f"{best.speedup_bf16:.2f}x the bf16 cast's {at} ({1e3 * best.step_s:.1f} ms "
-                f"against {1e3 * dense.step_s:.1f} ms); it pays {where}.")  # fmt: skip
+        if quality:
+            text = (f"Recommendation: {best.method}, {best.quality_fp32:.2f}x dense fp32's time "
+                    f"to quality and {best.quality_bf16:.2f}x the bf16 cast's {at} "
+                    f"({best.steps_factor:g}x the steps of "
+                    f"{1e3 * best.step_s:.1f} ms against {1e3 * dense.step_s:.1f} ms); "
+                    f"it pays {where}.")  # fmt: skip
+        else:
+            text = (f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32's step "
+                    f"and {best.speedup_bf16:.2f}x the bf16 cast's {at} ({1e3 * best.step_s:.1f} "
+                    f"ms against {1e3 * dense.step_s:.1f} ms); it pays {where}.")  # fmt: skip
     lines = [text]
     noisy = [a.method for a in advice if a.noisy]
     if noisy:
@@ -588,6 +657,20 @@ def fsdp_table(advice: Sequence[FSDPAdvice]) -> str:
     return "\n".join(lines)
 
 
+def _parse_steps_factors(pairs: Sequence[str]) -> dict[str, float]:
+    """``["QSGD 4-bit=1.2", ...]`` as ``{"QSGD 4-bit": 1.2}``; a ``ValueError`` names the flag."""
+    factors = {}
+    for pair in pairs:
+        name, sep, value = pair.rpartition("=")
+        try:
+            factors[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(f"--steps-factor: expected METHOD=X, got {pair!r}")
+    return factors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m compjax.advise",
@@ -610,6 +693,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "a shared machine, CPU backends only)")  # fmt: skip
     parser.add_argument("--sample-entries", type=_flag(int, 1), default=SAMPLE_ENTRIES,
                         help="most entries of a timed sample leaf (4194304)")  # fmt: skip
+    parser.add_argument("--steps-factor", action="append", default=[], metavar="METHOD=X",
+                        help="a method's steps to a quality target over dense fp32's (repeat the "
+                        "flag per method): the answer is then about time to quality")  # fmt: skip
     parser.add_argument("--fsdp", action="store_true",
                         help="cost sharded-training (compjax.fsdp) steps instead: the parameter "
                         "gather and the gradient reduce-scatter, codecs not timed")  # fmt: skip
@@ -630,10 +716,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     began, cpu = time.perf_counter(), time.process_time()
     try:
+        factors = _parse_steps_factors(args.steps_factor)
         advice = advise(args.params, args.workers, args.bandwidth_gbps, args.latency_us,
                         args.compute_ms / 1e3, exchange=args.exchange, shared=args.shared,
                         repeats=args.repeats, sample_entries=args.sample_entries,
-                        clock=args.clock)  # fmt: skip
+                        clock=args.clock, steps_factor=factors)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
     link = "one shared medium" if args.shared else "each worker on its own link"

@@ -250,3 +250,65 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     out = capsys.readouterr().out
     shared_ms = 1e3 * (0.01 + n * fp32.comm_s)
     assert "one shared medium" in out and f"{shared_ms:9.1f}" in out.splitlines()[-1]
+
+
+def test_a_steps_factor_makes_the_answer_about_time_to_quality(capsys):
+    """A method whose step is shortest but needs 3x the steps loses to dense float32 on time
+    to quality; the crossover is where its time to quality equals dense's."""
+    timer = rounds_timer({"dense fp32": [0.0] * 3})
+    kwargs = {"repeats": 3, "timer": timer}
+    plain = {a.method: a for a in advise.advise(2**20, 8, 1.0, 5.0, 0.05, **kwargs)}
+    best = min(plain.values(), key=lambda a: a.step_s).method
+    assert best != "dense fp32"
+    factors = {best: 3.0, "bf16 cast": 1.25}
+    got = {
+        a.method: a for a in advise.advise(2**20, 8, 1.0, 5.0, 0.05, steps_factor=factors, **kwargs)
+    }
+    for name, a in got.items():
+        assert a.step_s == pytest.approx(plain[name].step_s)  # the steps themselves unchanged
+        assert a.quality_s == pytest.approx(factors.get(name, 1.0) * a.step_s)
+        assert a.quality_fp32 == pytest.approx(got["dense fp32"].step_s / a.quality_s)
+        assert a.quality_bf16 == pytest.approx(got["bf16 cast"].quality_s / a.quality_s)
+    slow = got[best]
+    assert slow.speedup_fp32 > 1 and slow.quality_fp32 == pytest.approx(slow.speedup_fp32 / 3)
+    # its crossover: the bandwidth where 3 of its steps take one dense step's time
+    gbps = slow.crossover_gbps
+    assert 0 < gbps < plain[best].crossover_gbps
+    at = {
+        a.method: a
+        for a in advise.advise(2**20, 8, gbps, 5.0, 0.05, steps_factor=factors, **kwargs)
+    }
+    assert at[best].quality_fp32 == pytest.approx(1.0)
+    text = advise.recommendation(list(got.values()), 1.0)
+    winner = min(got.values(), key=lambda a: a.quality_s)
+    assert winner.method != best
+    assert f"Recommendation: {winner.method}" in text and "time to quality" in text
+    table = advise.table(list(got.values()))
+    assert "to target x fp32" in table.splitlines()[0]
+    assert "steps x" not in advise.table(list(plain.values()))
+
+
+@pytest.mark.parametrize(
+    "factors, message",
+    [
+        ({"QSGD 4 bit": 1.5}, r"steps_factor: unknown methods \['QSGD 4 bit'\]"),
+        ({"QSGD 4-bit": 0.0}, r"'QSGD 4-bit' must be finite and > 0"),
+        ({"QSGD 4-bit": math.nan}, r"'QSGD 4-bit' must be finite and > 0"),
+        ({"dense fp32": 2.0}, r"'dense fp32' is the reference"),
+    ],
+)
+def test_bad_steps_factors_are_named(factors, message):
+    with pytest.raises(ValueError, match=message):
+        advise.advise(2**12, 4, 1.0, 5.0, 0.05, steps_factor=factors, timer=fixed_timer(0.0))
+
+
+def test_cli_steps_factor_flag(capsys):
+    args = ["--params", "8192", "--workers", "4", "--bandwidth-gbps", "1", "--compute-ms", "10"]
+    with pytest.raises(SystemExit) as exit_info:
+        advise.main([*args, "--steps-factor", "QSGD 4-bit:2"])
+    assert exit_info.value.code == 2
+    assert "--steps-factor: expected METHOD=X, got 'QSGD 4-bit:2'" in capsys.readouterr().err
+    assert advise._parse_steps_factors(["QSGD 4-bit=2", "bf16 cast=1.1"]) == {
+        "QSGD 4-bit": 2.0,
+        "bf16 cast": 1.1,
+    }
