@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compjax import advise, costmodel
+from compjax import advise, codec_timing, costmodel
 
 
 def test_a_parameter_count_is_a_matrix_of_1024_columns_and_the_rest():
@@ -131,15 +131,15 @@ def test_cli_bad_values_name_the_flag(flag, value, message, capsys):
 
 
 def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
-    tree, factor = advise.sample_tree(advise.as_params(124_000_000))
-    assert all(math.prod(s.shape) <= advise.SAMPLE_ENTRIES for s in tree.values())
+    tree, factor = codec_timing.sample_tree(advise.as_params(124_000_000))
+    assert all(math.prod(s.shape) <= codec_timing.SAMPLE_ENTRIES for s in tree.values())
     assert factor * sum(math.prod(s.shape) for s in tree.values()) == pytest.approx(124e6)
     assert tree["matrix_float32"].shape == (4096, 1024)  # a matrix keeps its 1024 columns
     # A tree of many leaves: one matrix and one vector per dtype, whatever the leaf count.
     params = {f"w{i}": jax.ShapeDtypeStruct((3, 700), jnp.float32) for i in range(9)}
     params |= {"b": jax.ShapeDtypeStruct((5,), jnp.float32), "s": jnp.zeros((), jnp.float32)}
     params |= {"h": jax.ShapeDtypeStruct((4, 2, 8), jnp.bfloat16)}
-    tree, factor = advise.sample_tree(params)
+    tree, factor = codec_timing.sample_tree(params)
     shapes = {name: s.shape for name, s in tree.items()}
     assert shapes == {
         "matrix_float32": (18, 1024),
@@ -149,8 +149,8 @@ def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
     assert factor == pytest.approx((9 * 2100 + 6 + 64) / (18 * 1024 + 6 + 64))
     # The real timer at a billion parameters allocates and runs only the sample.
     txs = {"dense fp32": advise.methods("scatter_gather")["dense fp32"]()}
-    for clock in advise.CLOCKS:
-        rounds = advise.time_updates(txs, advise.as_params(10**9), 2, 4096, clock)
+    for clock in codec_timing.CLOCKS:
+        rounds = codec_timing.time_updates(txs, advise.as_params(10**9), 2, 4096, clock)
         assert rounds["dense fp32"].shape == (2,) and np.all(rounds["dense fp32"] > 0)
 
 
@@ -228,7 +228,7 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     """A 64 x 1024 float32 matrix sharded 4 ways: dense FSDP sends (n-1)/n of the parameters in
     the gather and (n-1)/n of the gradient in the reduce-scatter (plus the 8-bit flag's
     all-reduce); the compressed steps send less and are faster at the same compute."""
-    n, entries = 4, 64 * advise.COLUMNS
+    n, entries = 4, 64 * codec_timing.COLUMNS
     rows = advise.advise_fsdp(entries, n, 1.0, 0.0, 0.01)
     assert [r.method for r in rows] == list(advise.FSDP_METHODS)
     fp32, bf16, zpp, sign = rows
