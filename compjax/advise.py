@@ -33,16 +33,20 @@ a recommendation: the method with the shortest step.  Speedups are
 against dense float32 and against the bf16 cast.  A parameter count
 stands for a matrix of 1024 columns (and a vector of the rest), so that
 PowerSGD has a matrix to factor.
+
+A shorter step is not a shorter training: a method that needs more steps
+to reach the same quality can lose with a faster step.  ``steps_factor``
+(``--steps-factor METHOD=X``) gives a method's steps to a quality target
+over dense float32's (from ``make bench-e2e``'s table or your own runs);
+every method's time to quality is then ``X * step``, and the speedups,
+crossovers and the recommendation are about that time, not the step's.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
-import functools
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,6 +58,7 @@ import optax
 
 import compjax
 from compjax import costmodel
+from compjax.codec_timing import CLOCKS, COLUMNS, SAMPLE_ENTRIES, time_updates
 
 AXIS = "data"
 #: ``communication()``'s routes to the cost model's collectives.
@@ -63,15 +68,7 @@ COLLECTIVES = {
     "all_to_all": "alltoall",
     "reduce_scatter": "reduce_scatter",
 }
-COLUMNS = 1024
 DENSE, BF16 = "dense fp32", "bf16 cast"
-#: Entries of each leaf of the sample the codecs are timed on (:func:`sample_tree`), at most.
-SAMPLE_ENTRIES = 2**22
-#: The timed gradients and states cycle through copies of at least this many bytes together
-#: (twice a 32 MiB last-level cache), at most ``MAX_COPIES``.
-COLD_BYTES, MAX_COPIES = 2**26, 8
-#: The timer's clocks: wall time, or the process's CPU time (a CPU backend on a shared machine).
-CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
 
 
 def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformation]]:
@@ -114,6 +111,12 @@ class Advice:
         method that sends more than dense but whose update is cheaper).
       crossover_range_gbps: ``crossover_gbps`` at the codec's most and least
         per-round times.
+      steps_factor: steps to a quality target over dense float32's (1 unless given).
+      quality_fp32, quality_bf16: dense float32's and the bf16 cast's time to the target
+        (``steps_factor * step_s``) over this one's.
+
+    With a ``steps_factor``, ``crossover_gbps`` and ``pays_below`` are about the
+    time to the target.
     """
 
     method: str
@@ -128,6 +131,15 @@ class Advice:
     crossover_gbps: float = math.nan
     pays_below: bool = True
     crossover_range_gbps: tuple[float, float] = (math.nan, math.nan)
+    steps_factor: float = 1.0
+    quality_fp32: float = math.nan
+    quality_bf16: float = math.nan
+
+    @property
+    def quality_s(self) -> float:
+        """The time to the quality target, in dense float32's steps' units: ``steps_factor *
+        step_s``."""
+        return self.steps_factor * self.step_s
 
     @property
     def noisy(self) -> bool:
@@ -158,111 +170,6 @@ def messages(report: compjax.CommunicationReport) -> list[tuple[str, float]]:
     return [(COLLECTIVES[via], float(b)) for (via, _), b in report.payload_bits_by_route().items()]
 
 
-def sample_tree(params: Any, entries: int = SAMPLE_ENTRIES) -> tuple[dict, float]:
-    """A small tree whose update time, times ``factor``, is ``params``' update time.
-
-    Per dtype, the entries of the leaves of two or more dimensions become one
-    matrix of (at most) :data:`COLUMNS` columns, and those of the vectors and
-    scalars one vector, as a parameter count is laid out (a tree of many
-    leaves would cost a compilation of many); where one of these exceeds
-    ``entries`` entries, every one is cut by the same fraction (the matrix
-    by rows).  ``factor`` is the entries of ``params`` over the sample's.
-
-    Returns:
-      ``({name: jax.ShapeDtypeStruct}, factor)``.
-    """
-    sizes: dict[tuple[bool, Any], int] = {}
-    for leaf in jax.tree.leaves(params):
-        key = (np.ndim(leaf) >= 2, jnp.dtype(leaf.dtype))
-        sizes[key] = sizes.get(key, 0) + int(np.size(leaf))
-    sizes = {key: size for key, size in sizes.items() if size}
-    if not sizes:
-        return {}, 1.0
-    cut = max(1.0, max(sizes.values()) / entries)
-    tree = {}
-    for (matrix, dtype), size in sizes.items():
-        columns = min(COLUMNS, size) if matrix else 1
-        rows = max(1, min(round(size / columns / cut), entries // columns))
-        shape = (rows, columns) if matrix else (rows,)
-        tree[f"{'matrix' if matrix else 'vector'}_{dtype.name}"] = jax.ShapeDtypeStruct(
-            shape, dtype
-        )
-    return tree, sum(sizes.values()) / sum(math.prod(s.shape) for s in tree.values())
-
-
-def time_updates(
-    txs: Mapping[str, optax.GradientTransformation],
-    params: Any,
-    repeats: int,
-    sample_entries: int = SAMPLE_ENTRIES,
-    clock: str = "wall",
-) -> dict[str, np.ndarray]:
-    """Seconds of one worker's jitted update of ``params``-shaped gradients, per round.
-
-    The update is timed on :func:`sample_tree` and scaled by size.  Each of
-    ``repeats`` rounds runs every transformation once, in an order rotated
-    by one each round, after one untimed call of each (the compilations run
-    in parallel threads first), so that the methods' times in one round are
-    taken under the same load.  Calls
-    cycle through copies of the gradients and states that together exceed
-    ``COLD_BYTES``, so that, as a model's gradient would be, they are not
-    in the cache (a 4M-entry sample timed on one copy ran at a third of
-    the time per entry of the whole 25.6M-entry gradient on a 32 MiB-L3 CPU).
-
-    ``clock="process"`` times by the process's CPU time (all its threads)
-    instead of the wall clock: steadier on a machine other jobs share, but
-    only for a CPU backend, and above the wall time where XLA runs an
-    operation on several cores.
-
-    Returns:
-      ``{name: seconds of each round}``, the rounds in order.
-    """
-    now = CLOCKS[clock]
-    tree, factor = sample_tree(params, sample_entries)
-    size = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in tree.values())
-    copies = min(MAX_COPIES, max(1, math.ceil(COLD_BYTES / max(size, 1))))
-    keys = jax.random.split(jax.random.key(0), copies * max(len(tree), 1)).reshape(copies, -1)
-    grads = [
-        {
-            name: jax.random.normal(key, (1, *s.shape)).astype(s.dtype)
-            for key, (name, s) in zip(row, tree.items(), strict=False)
-        }
-        for row in keys
-    ]
-
-    def prepare(tx: optax.GradientTransformation) -> list[Callable[[], Any]]:
-        states = [jax.jit(jax.vmap(tx.init))(g) for g in grads]
-        step = jax.jit(jax.vmap(tx.update, axis_name=AXIS)).lower(grads[0], states[0]).compile()
-        return [functools.partial(step, g, state) for g, state in zip(grads, states, strict=True)]
-
-    names = list(txs)
-    with concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1)) as pool:
-        calls = dict(zip(names, pool.map(prepare, txs.values()), strict=True))  # compiled
-    for name in names:
-        jax.block_until_ready(calls[name][0]())  # an untimed first run
-    totals = {name: np.zeros(repeats) for name in names}
-    count = 0
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            call = calls[name][count % copies]
-            count += 1
-            start = now()
-            jax.block_until_ready(call())
-            totals[name][r] = factor * (now() - start)
-    return totals
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    """Median wall time of ``fn()`` until its outputs are ready, after one warm-up call."""
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def _positive(name: str, value: Any, *, zero: bool = False) -> None:
     ok = isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
     if not (ok and math.isfinite(value) and (value >= 0 if zero else value > 0)):
@@ -290,6 +197,21 @@ def crossover(dense: tuple[float, float], method: tuple[float, float]) -> tuple[
     return saved / extra, saved > 0  # both positive (pays below) or both negative (above)
 
 
+def _steps_factors(given: Mapping[str, float] | None, exchange: str) -> dict[str, float]:
+    """Every method's steps factor (1 where not given); a ``ValueError`` names a bad one."""
+    names = list(methods(exchange))
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise ValueError(f"steps_factor: unknown methods {unknown}; the methods are {names}")
+    for name, value in given.items():
+        if not isinstance(value, int | float | np.number) or not 0 < value < math.inf:
+            raise ValueError(f"steps_factor: {name!r} must be finite and > 0, got {value!r}")
+    if given.get(DENSE, 1.0) != 1.0:
+        raise ValueError(f"steps_factor: {DENSE!r} is the reference (1), got {given[DENSE]!r}")
+    return {name: float(given.get(name, 1.0)) for name in names}
+
+
 def advise(
     params: Any,
     workers: int,
@@ -303,6 +225,7 @@ def advise(
     sample_entries: int = SAMPLE_ENTRIES,
     clock: str = "wall",
     timer: Callable[..., Mapping[str, Sequence[float]]] = time_updates,
+    steps_factor: Mapping[str, float] | None = None,
 ) -> list[Advice]:
     """Predicted step time, speedup and crossover bandwidth of every method of :func:`methods`.
 
@@ -319,6 +242,9 @@ def advise(
       clock: ``"wall"`` or ``"process"`` (CPU time; see :func:`time_updates`).
       timer: ``timer(txs, params, repeats, sample_entries, clock)``: ``{name:
         seconds per round}`` of one worker's update (:func:`time_updates`).
+      steps_factor: ``{method: its steps to a quality target over dense float32's}``
+        (finite, > 0; methods not named: 1): speedups, crossovers and the
+        recommendation are then about the time to the target.
 
     Returns:
       One :class:`Advice` per method, dense float32 first.
@@ -339,6 +265,7 @@ def advise(
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     params = as_params(params)
+    factors = _steps_factors(steps_factor, exchange)
     kind = costmodel.SharedMedium if shared else costmodel.Network
     network = kind(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
     concrete = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), params)
@@ -361,7 +288,10 @@ def advise(
 
     def crossing(name: str, codec: float) -> tuple[float, bool]:
         (latency, per_gbps), (dense_latency, dense_per_gbps) = lines[name], lines[DENSE]
-        return crossover((base + dense_latency, dense_per_gbps), (base + codec + latency, per_gbps))
+        f = factors[name]  # time to quality: f steps' worth of this method's step
+        return crossover(
+            (base + dense_latency, dense_per_gbps), (f * (base + codec + latency), f * per_gbps)
+        )
 
     out = []
     for name in txs:
@@ -375,6 +305,9 @@ def advise(
             step_s=steps[name],
             speedup_fp32=steps[DENSE] / steps[name],
             speedup_bf16=steps[BF16] / steps[name],
+            steps_factor=factors[name],
+            quality_fp32=steps[DENSE] / (factors[name] * steps[name]),
+            quality_bf16=factors[BF16] * steps[BF16] / (factors[name] * steps[name]),
         )
         if name != DENSE:
             gbps, below = crossing(name, codecs[name])
@@ -405,17 +338,28 @@ def crossover_text(a: Advice, *, spread: bool = False) -> str:
     return f"{text} ({low} to {high})" if spread and low != high else text
 
 
+def _by_quality(advice: Sequence[Advice]) -> bool:
+    """Whether a steps factor was given: then the answers are about time to quality."""
+    return any(a.steps_factor != 1.0 for a in advice)
+
+
 def table(advice: Sequence[Advice]) -> str:
-    """The advice as an aligned text table."""
+    """The advice as an aligned text table (with steps factors: the times to quality too)."""
+    quality = _by_quality(advice)
     rows = [("method", "Mbit/worker", "travels by", "codec ms (range)", "comm ms", "step ms",
-             "x fp32", "x bf16", "pays at Gbit/s")]  # fmt: skip
+             "x fp32", "x bf16")]  # fmt: skip
+    rows[0] += ("steps x", "to target x fp32", "x bf16") if quality else ()
+    rows[0] += ("pays at Gbit/s",)
     for a in advice:
         routes = ", ".join(sorted({via for via, _ in a.routes}))
         low, high = (1e3 * v for v in a.codec_range_s)
         codec = "-" if a.method == DENSE else f"{1e3 * a.codec_s:.1f} ({low:.1f} to {high:.1f})"
-        rows.append((a.method, f"{a.bits_per_worker / 1e6:.2f}", routes, codec,
-                     f"{1e3 * a.comm_s:.1f}", f"{1e3 * a.step_s:.1f}", f"{a.speedup_fp32:.2f}",
-                     f"{a.speedup_bf16:.2f}", crossover_text(a, spread=True)))  # fmt: skip
+        row = (a.method, f"{a.bits_per_worker / 1e6:.2f}", routes, codec,
+               f"{1e3 * a.comm_s:.1f}", f"{1e3 * a.step_s:.1f}", f"{a.speedup_fp32:.2f}",
+               f"{a.speedup_bf16:.2f}")  # fmt: skip
+        if quality:
+            row += (f"{a.steps_factor:g}", f"{a.quality_fp32:.2f}", f"{a.quality_bf16:.2f}")
+        rows.append((*row, crossover_text(a, spread=True)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -423,15 +367,18 @@ def table(advice: Sequence[Advice]) -> str:
 
 
 def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
-    """The answer: the method with the shortest step, how much it gains, where it stops
-    paying, and which codec times were within their timing noise."""
-    best = min(advice, key=lambda a: a.step_s)
+    """The answer: the method with the shortest step (with steps factors: the shortest time to
+    quality), how much it gains, where it stops paying, and which codec times were within
+    their timing noise."""
+    quality = _by_quality(advice)
+    best = min(advice, key=lambda a: a.quality_s)
     dense = advice[0]
     at = f"at {bandwidth_gbps:g} Gbit/s"
+    what = "time to quality" if quality else "step"
     if best.method == DENSE:
         payers = [a for a in advice[1:] if a.pays_below and a.crossover_gbps > 0]
         first = max(payers, key=lambda a: a.crossover_gbps, default=None)
-        text = f"Recommendation: dense fp32; no method's step is shorter {at}"
+        text = f"Recommendation: dense fp32; no method's {what} is shorter {at}"
         if first is not None:
             text += (f" (as the bandwidth falls, the first to pay is {first.method}, below "
                      f"{_gbps(first.crossover_gbps)} Gbit/s)")  # fmt: skip
@@ -441,9 +388,16 @@ def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
             math.inf: "at every bandwidth",
             0.0: "at no bandwidth",
         }.get(best.crossover_gbps, f"{crossover_text(best)} Gbit/s")
-        text = (f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32's step and "
-                f"{best.speedup_bf16:.2f}x the bf16 cast's {at} ({1e3 * best.step_s:.1f} ms "
-                f"against {1e3 * dense.step_s:.1f} ms); it pays {where}.")  # fmt: skip
+        if quality:
+            text = (f"Recommendation: {best.method}, {best.quality_fp32:.2f}x dense fp32's time "
+                    f"to quality and {best.quality_bf16:.2f}x the bf16 cast's {at} "
+                    f"({best.steps_factor:g}x the steps of "
+                    f"{1e3 * best.step_s:.1f} ms against {1e3 * dense.step_s:.1f} ms); "
+                    f"it pays {where}.")  # fmt: skip
+        else:
+            text = (f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32's step "
+                    f"and {best.speedup_bf16:.2f}x the bf16 cast's {at} ({1e3 * best.step_s:.1f} "
+                    f"ms against {1e3 * dense.step_s:.1f} ms); it pays {where}.")  # fmt: skip
     lines = [text]
     noisy = [a.method for a in advice if a.noisy]
     if noisy:
@@ -588,6 +542,20 @@ def fsdp_table(advice: Sequence[FSDPAdvice]) -> str:
     return "\n".join(lines)
 
 
+def _parse_steps_factors(pairs: Sequence[str]) -> dict[str, float]:
+    """``["QSGD 4-bit=1.2", ...]`` as ``{"QSGD 4-bit": 1.2}``; a ``ValueError`` names the flag."""
+    factors = {}
+    for pair in pairs:
+        name, sep, value = pair.rpartition("=")
+        try:
+            factors[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(f"--steps-factor: expected METHOD=X, got {pair!r}")
+    return factors
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m compjax.advise",
@@ -610,6 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "a shared machine, CPU backends only)")  # fmt: skip
     parser.add_argument("--sample-entries", type=_flag(int, 1), default=SAMPLE_ENTRIES,
                         help="most entries of a timed sample leaf (4194304)")  # fmt: skip
+    parser.add_argument("--steps-factor", action="append", default=[], metavar="METHOD=X",
+                        help="a method's steps to a quality target over dense fp32's (repeat the "
+                        "flag per method): the answer is then about time to quality")  # fmt: skip
     parser.add_argument("--fsdp", action="store_true",
                         help="cost sharded-training (compjax.fsdp) steps instead: the parameter "
                         "gather and the gradient reduce-scatter, codecs not timed")  # fmt: skip
@@ -630,10 +601,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     began, cpu = time.perf_counter(), time.process_time()
     try:
+        factors = _parse_steps_factors(args.steps_factor)
         advice = advise(args.params, args.workers, args.bandwidth_gbps, args.latency_us,
                         args.compute_ms / 1e3, exchange=args.exchange, shared=args.shared,
                         repeats=args.repeats, sample_entries=args.sample_entries,
-                        clock=args.clock)  # fmt: skip
+                        clock=args.clock, steps_factor=factors)  # fmt: skip
     except ValueError as err:
         parser.error(str(err))
     link = "one shared medium" if args.shared else "each worker on its own link"

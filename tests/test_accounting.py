@@ -246,6 +246,8 @@ def test_counts_match_the_traffic_bench_net_measured():
     )
     ratios, old = {}, {}
     for method in bench_net_model.METHODS:
+        if method.collective == "fsdp":  # not in the committed run: tests/test_fsdp.py counts
+            continue
         m = run["methods"][method.key]
         tx = method.factory("data") if method.factory else methods.parse(method.spec).build("data")
         count = compjax.communication(tx, shapes, "data", num_workers=n).bits_per_worker

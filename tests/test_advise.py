@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compjax import advise, costmodel
+from compjax import advise, codec_timing, costmodel
 
 
 def test_a_parameter_count_is_a_matrix_of_1024_columns_and_the_rest():
@@ -131,15 +131,15 @@ def test_cli_bad_values_name_the_flag(flag, value, message, capsys):
 
 
 def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
-    tree, factor = advise.sample_tree(advise.as_params(124_000_000))
-    assert all(math.prod(s.shape) <= advise.SAMPLE_ENTRIES for s in tree.values())
+    tree, factor = codec_timing.sample_tree(advise.as_params(124_000_000))
+    assert all(math.prod(s.shape) <= codec_timing.SAMPLE_ENTRIES for s in tree.values())
     assert factor * sum(math.prod(s.shape) for s in tree.values()) == pytest.approx(124e6)
     assert tree["matrix_float32"].shape == (4096, 1024)  # a matrix keeps its 1024 columns
     # A tree of many leaves: one matrix and one vector per dtype, whatever the leaf count.
     params = {f"w{i}": jax.ShapeDtypeStruct((3, 700), jnp.float32) for i in range(9)}
     params |= {"b": jax.ShapeDtypeStruct((5,), jnp.float32), "s": jnp.zeros((), jnp.float32)}
     params |= {"h": jax.ShapeDtypeStruct((4, 2, 8), jnp.bfloat16)}
-    tree, factor = advise.sample_tree(params)
+    tree, factor = codec_timing.sample_tree(params)
     shapes = {name: s.shape for name, s in tree.items()}
     assert shapes == {
         "matrix_float32": (18, 1024),
@@ -149,8 +149,8 @@ def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
     assert factor == pytest.approx((9 * 2100 + 6 + 64) / (18 * 1024 + 6 + 64))
     # The real timer at a billion parameters allocates and runs only the sample.
     txs = {"dense fp32": advise.methods("scatter_gather")["dense fp32"]()}
-    for clock in advise.CLOCKS:
-        rounds = advise.time_updates(txs, advise.as_params(10**9), 2, 4096, clock)
+    for clock in codec_timing.CLOCKS:
+        rounds = codec_timing.time_updates(txs, advise.as_params(10**9), 2, 4096, clock)
         assert rounds["dense fp32"].shape == (2,) and np.all(rounds["dense fp32"] > 0)
 
 
@@ -228,7 +228,7 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     """A 64 x 1024 float32 matrix sharded 4 ways: dense FSDP sends (n-1)/n of the parameters in
     the gather and (n-1)/n of the gradient in the reduce-scatter (plus the 8-bit flag's
     all-reduce); the compressed steps send less and are faster at the same compute."""
-    n, entries = 4, 64 * advise.COLUMNS
+    n, entries = 4, 64 * codec_timing.COLUMNS
     rows = advise.advise_fsdp(entries, n, 1.0, 0.0, 0.01)
     assert [r.method for r in rows] == list(advise.FSDP_METHODS)
     fp32, bf16, zpp, sign = rows
@@ -250,3 +250,65 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     out = capsys.readouterr().out
     shared_ms = 1e3 * (0.01 + n * fp32.comm_s)
     assert "one shared medium" in out and f"{shared_ms:9.1f}" in out.splitlines()[-1]
+
+
+def test_a_steps_factor_makes_the_answer_about_time_to_quality(capsys):
+    """A method whose step is shortest but needs 3x the steps loses to dense float32 on time
+    to quality; the crossover is where its time to quality equals dense's."""
+    timer = rounds_timer({"dense fp32": [0.0] * 3})
+    kwargs = {"repeats": 3, "timer": timer}
+    plain = {a.method: a for a in advise.advise(2**20, 8, 1.0, 5.0, 0.05, **kwargs)}
+    best = min(plain.values(), key=lambda a: a.step_s).method
+    assert best != "dense fp32"
+    factors = {best: 3.0, "bf16 cast": 1.25}
+    got = {
+        a.method: a for a in advise.advise(2**20, 8, 1.0, 5.0, 0.05, steps_factor=factors, **kwargs)
+    }
+    for name, a in got.items():
+        assert a.step_s == pytest.approx(plain[name].step_s)  # the steps themselves unchanged
+        assert a.quality_s == pytest.approx(factors.get(name, 1.0) * a.step_s)
+        assert a.quality_fp32 == pytest.approx(got["dense fp32"].step_s / a.quality_s)
+        assert a.quality_bf16 == pytest.approx(got["bf16 cast"].quality_s / a.quality_s)
+    slow = got[best]
+    assert slow.speedup_fp32 > 1 and slow.quality_fp32 == pytest.approx(slow.speedup_fp32 / 3)
+    # its crossover: the bandwidth where 3 of its steps take one dense step's time
+    gbps = slow.crossover_gbps
+    assert 0 < gbps < plain[best].crossover_gbps
+    at = {
+        a.method: a
+        for a in advise.advise(2**20, 8, gbps, 5.0, 0.05, steps_factor=factors, **kwargs)
+    }
+    assert at[best].quality_fp32 == pytest.approx(1.0)
+    text = advise.recommendation(list(got.values()), 1.0)
+    winner = min(got.values(), key=lambda a: a.quality_s)
+    assert winner.method != best
+    assert f"Recommendation: {winner.method}" in text and "time to quality" in text
+    table = advise.table(list(got.values()))
+    assert "to target x fp32" in table.splitlines()[0]
+    assert "steps x" not in advise.table(list(plain.values()))
+
+
+@pytest.mark.parametrize(
+    "factors, message",
+    [
+        ({"QSGD 4 bit": 1.5}, r"steps_factor: unknown methods \['QSGD 4 bit'\]"),
+        ({"QSGD 4-bit": 0.0}, r"'QSGD 4-bit' must be finite and > 0"),
+        ({"QSGD 4-bit": math.nan}, r"'QSGD 4-bit' must be finite and > 0"),
+        ({"dense fp32": 2.0}, r"'dense fp32' is the reference"),
+    ],
+)
+def test_bad_steps_factors_are_named(factors, message):
+    with pytest.raises(ValueError, match=message):
+        advise.advise(2**12, 4, 1.0, 5.0, 0.05, steps_factor=factors, timer=fixed_timer(0.0))
+
+
+def test_cli_steps_factor_flag(capsys):
+    args = ["--params", "8192", "--workers", "4", "--bandwidth-gbps", "1", "--compute-ms", "10"]
+    with pytest.raises(SystemExit) as exit_info:
+        advise.main([*args, "--steps-factor", "QSGD 4-bit:2"])
+    assert exit_info.value.code == 2
+    assert "--steps-factor: expected METHOD=X, got 'QSGD 4-bit:2'" in capsys.readouterr().err
+    assert advise._parse_steps_factors(["QSGD 4-bit=2", "bf16 cast=1.1"]) == {
+        "QSGD 4-bit": 2.0,
+        "bf16 cast": 1.1,
+    }

@@ -37,7 +37,10 @@ def _init(name):
 def _update(name, grads, state):
     if name == "variance_based":  # per-example gradients: the gradient and its half
         grads = jax.tree.map(lambda g: jnp.stack([g, g / 2], axis=1), grads)
-    return jax.vmap(TRANSFORMS[name]().update, axis_name="data")(grads, state)
+    # Every worker's params (the local-step methods train their own copies; the others
+    # ignore them).
+    copies = {k: jnp.zeros((WORKERS, *s)) for k, s in SHAPES.items()}
+    return jax.vmap(TRANSFORMS[name]().update, axis_name="data")(grads, state, copies)
 
 
 def _step(name, grads, state=None):

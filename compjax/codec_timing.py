@@ -1,0 +1,145 @@
+"""Timing one worker's update of a large model on a small sample: :mod:`compjax.advise`'s
+codec times.
+
+A model's leaves are timed as one matrix of :data:`COLUMNS` columns and one
+vector (per dtype), cut to at most ``sample_entries`` entries by the same
+fraction, and the time scaled back by size (:func:`sample_tree`); the
+methods are timed in interleaved rounds on copies of the gradient that are
+not cache-resident (:func:`time_updates`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+#: The columns of the matrix a model's matrices (and a parameter count) are timed as.
+COLUMNS = 1024
+#: Entries of each leaf of the sample the codecs are timed on (:func:`sample_tree`), at most.
+SAMPLE_ENTRIES = 2**22
+#: The timed gradients and states cycle through copies of at least this many bytes together
+#: (twice a 32 MiB last-level cache), at most ``MAX_COPIES``.
+COLD_BYTES, MAX_COPIES = 2**26, 8
+#: The timer's clocks: wall time, or the process's CPU time (a CPU backend on a shared machine).
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def sample_tree(params: Any, entries: int = SAMPLE_ENTRIES) -> tuple[dict, float]:
+    """A small tree whose update time, times ``factor``, is ``params``' update time.
+
+    Per dtype, the entries of the leaves of two or more dimensions become one
+    matrix of (at most) :data:`COLUMNS` columns, and those of the vectors and
+    scalars one vector, as a parameter count is laid out (a tree of many
+    leaves would cost a compilation of many); where one of these exceeds
+    ``entries`` entries, every one is cut by the same fraction (the matrix
+    by rows).  ``factor`` is the entries of ``params`` over the sample's.
+
+    Returns:
+      ``({name: jax.ShapeDtypeStruct}, factor)``.
+    """
+    sizes: dict[tuple[bool, Any], int] = {}
+    for leaf in jax.tree.leaves(params):
+        key = (np.ndim(leaf) >= 2, jnp.dtype(leaf.dtype))
+        sizes[key] = sizes.get(key, 0) + int(np.size(leaf))
+    sizes = {key: size for key, size in sizes.items() if size}
+    if not sizes:
+        return {}, 1.0
+    cut = max(1.0, max(sizes.values()) / entries)
+    tree = {}
+    for (matrix, dtype), size in sizes.items():
+        columns = min(COLUMNS, size) if matrix else 1
+        rows = max(1, min(round(size / columns / cut), entries // columns))
+        shape = (rows, columns) if matrix else (rows,)
+        tree[f"{'matrix' if matrix else 'vector'}_{dtype.name}"] = jax.ShapeDtypeStruct(
+            shape, dtype
+        )
+    return tree, sum(sizes.values()) / sum(math.prod(s.shape) for s in tree.values())
+
+
+def time_updates(
+    txs: Mapping[str, optax.GradientTransformation],
+    params: Any,
+    repeats: int,
+    sample_entries: int = SAMPLE_ENTRIES,
+    clock: str = "wall",
+    axis_name: str = "data",
+) -> dict[str, np.ndarray]:
+    """Seconds of one worker's jitted update of ``params``-shaped gradients, per round.
+
+    The update is timed on :func:`sample_tree` and scaled by size.  Each of
+    ``repeats`` rounds runs every transformation once, in an order rotated
+    by one each round, after one untimed call of each (the compilations run
+    in parallel threads first), so that the methods' times in one round are
+    taken under the same load.  Calls
+    cycle through copies of the gradients and states that together exceed
+    ``COLD_BYTES``, so that, as a model's gradient would be, they are not
+    in the cache (a 4M-entry sample timed on one copy ran at a third of
+    the time per entry of the whole 25.6M-entry gradient on a 32 MiB-L3 CPU).
+
+    ``clock="process"`` times by the process's CPU time (all its threads)
+    instead of the wall clock: steadier on a machine other jobs share, but
+    only for a CPU backend, and above the wall time where XLA runs an
+    operation on several cores.
+
+    ``axis_name`` is the data axis the transformations were built with (the
+    update runs under ``jax.vmap`` with it, one worker).
+
+    Returns:
+      ``{name: seconds of each round}``, the rounds in order.
+    """
+    now = CLOCKS[clock]
+    tree, factor = sample_tree(params, sample_entries)
+    size = sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in tree.values())
+    copies = min(MAX_COPIES, max(1, math.ceil(COLD_BYTES / max(size, 1))))
+    keys = jax.random.split(jax.random.key(0), copies * max(len(tree), 1)).reshape(copies, -1)
+    grads = [
+        {
+            name: jax.random.normal(key, (1, *s.shape)).astype(s.dtype)
+            for key, (name, s) in zip(row, tree.items(), strict=False)
+        }
+        for row in keys
+    ]
+
+    def prepare(tx: optax.GradientTransformation) -> list[Callable[[], Any]]:
+        states = [jax.jit(jax.vmap(tx.init))(g) for g in grads]
+        step = (
+            jax.jit(jax.vmap(tx.update, axis_name=axis_name)).lower(grads[0], states[0]).compile()
+        )
+        return [functools.partial(step, g, state) for g, state in zip(grads, states, strict=True)]
+
+    names = list(txs)
+    with concurrent.futures.ThreadPoolExecutor(min(len(names), os.cpu_count() or 1)) as pool:
+        calls = dict(zip(names, pool.map(prepare, txs.values()), strict=True))  # compiled
+    for name in names:
+        jax.block_until_ready(calls[name][0]())  # an untimed first run
+    totals = {name: np.zeros(repeats) for name in names}
+    count = 0
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            call = calls[name][count % copies]
+            count += 1
+            start = now()
+            jax.block_until_ready(call())
+            totals[name][r] = factor * (now() - start)
+    return totals
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall time of ``fn()`` until its outputs are ready, after one warm-up call."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
