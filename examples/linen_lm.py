@@ -43,7 +43,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-        x = x + nn.SelfAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
+        y = nn.LayerNorm()(x)
+        x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(y, y, mask=mask)
         h = nn.Dense(4 * self.width)(nn.LayerNorm()(x))
         return x + nn.Dense(self.width)(nn.gelu(h))
 

@@ -72,17 +72,15 @@ def transforms() -> dict[str, optax.GradientTransformation]:
 
 
 #: One transformation per way a message travels (all-gather, psum of linear payloads, integer
-#: sums, scatter-gather's all-to-all with a server memory, the packed and int8 votes, TernGrad's
-#: shared scale, and compjax.fsdp's compressed parameter gather and gradient reduce-scatter
-#: with an error memory split over the workers): the fast suite's run; the others repeat
-#: those paths (make test-slow).
+#: sums, scatter-gather's all-to-all with a server memory, TernGrad's int8 psum with a shared
+#: scale, and compjax.fsdp's compressed parameter gather and gradient reduce-scatter with an
+#: error memory split over the workers): the fast suite's run; the others, the packed and int8
+#: votes among them, repeat those paths (make test-slow).
 FAST_NAMES = (
     "compress_qsgd",
     "compress_rand_k_shared",
     "diana_int_quant",
     "error_feedback_top_k_scatter_gather",
-    "sign_vote",
-    "signum_psum",
     "terngrad_allreduce",
     "fsdp_int_quant_ef_int8_gather",
 )

@@ -1,18 +1,21 @@
 """Every script of ``examples/`` runs, in its few-steps mode (``--steps``), as ``__main__`` in
-one subprocess (the scripts in turn, JAX initialised once); the launcher in its own.  ``make
-test`` runs one script; ``make test-slow`` the others and the launcher.
-
-The scripts run with this checkout's compjax (``PYTHONPATH``) and the test session's XLA flags
-(8 simulated CPU devices, compiled cheaply: see ``conftest.py``).
+this test process (``runpy``: JAX is not imported again), with the session's XLA flags (8
+simulated CPU devices, compiled cheaply: see ``conftest.py``); the multi-process launcher in a
+process group of its own.  ``make test`` runs one script; ``make test-slow`` the others and the
+launcher.
 """
 
+import contextlib
+import io
 import math
 import os
 import pathlib
 import re
+import runpy
 import signal
 import subprocess
 import sys
+import traceback
 
 import pytest
 
@@ -57,42 +60,31 @@ SCRIPTS = ("linen_lm.py", "nnx_mlp.py", "jit_data_parallel.py", "fsdp_linen.py",
 #: others, and the multi-process launcher, run with ``make test-slow`` (8-11 s each here).
 FAST = ("jit_data_parallel.py",)
 
-#: Runs each script given on its command line as ``__main__`` with ``--steps``, in turn in
-#: this one process (JAX is imported and initialised once for all of them), and prints
-#: ``{script: [ran without an exception, its output]}`` as JSON on its last line.
-RUNNER = """
-import contextlib, io, json, runpy, sys, traceback
-steps, scripts, results = sys.argv[1], sys.argv[2:], {}
-for path in scripts:
-    out = io.StringIO()
-    sys.argv = [path, "--steps", steps]
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        try:
-            runpy.run_path(path, run_name="__main__")
-            ok = True
-        except BaseException:
-            traceback.print_exc()
-            ok = False
-    results[path] = [ok, out.getvalue()]
-print(json.dumps(results))
-"""
+
+def run_script(path: pathlib.Path) -> tuple[bool, str]:
+    """Run ``path`` as ``__main__`` with ``--steps`` in this process (JAX already initialised,
+    with the session's devices): ``(it ran without an exception, its output)``."""
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [str(path), "--steps", str(STEPS)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            runpy.run_path(str(path), run_name="__main__")
+        return True, out.getvalue()
+    except BaseException:  # argparse's SystemExit too
+        return False, out.getvalue() + traceback.format_exc()
+    finally:
+        sys.argv = argv
 
 
 @pytest.fixture(scope="module")
 def outputs(request) -> dict:
-    """The selected scripts' ``[ok, output]``, all run in one subprocess (each as ``python
-    script.py``)."""
-    import json
-
+    """The selected scripts' ``(ok, output)``, each run as ``__main__`` in this process."""
     selected = {
         item.callspec.params["script"]
         for item in request.session.items  # those -m selected
         if item.path == request.path and item.originalname == "test_example_runs"
     }
-    paths = [str(EXAMPLES / s) for s in SCRIPTS if s in selected]
-    out = run([sys.executable, "-c", RUNNER, str(STEPS), *paths])
-    found = json.loads(out.strip().splitlines()[-1])
-    return {pathlib.Path(p).name: tuple(v) for p, v in found.items()}
+    return {s: run_script(EXAMPLES / s) for s in SCRIPTS if s in selected}
 
 
 @pytest.mark.parametrize(
