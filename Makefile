@@ -10,15 +10,21 @@ STAMP := $(VENV)/.installed
 # pip compiling every installed module up front (half of a fresh install's 40 s).
 unexport PYTHONDONTWRITEBYTECODE
 
+# The environment is made without a pip of its own (ensurepip takes 7 s) and installed into by
+# the interpreter's pip (--python); where that interpreter has no pip, the environment gets one.
+PIP = $(shell $(PYTHON) -m pip --version >/dev/null 2>&1 \
+	&& echo "$(PYTHON) -m pip --python $(PY)" || echo "$(PY) -m pip")
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile -e '.[dev,experiments]'
+	$(PYTHON) -m venv --without-pip $(VENV)
+	$(PYTHON) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip -q
+	$(PIP) install -q --no-compile -e '.[dev,experiments]'
 	touch $(STAMP)
 
 # Sphinx and its theme, for make docs and the docs build of make test-slow.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install -q --no-compile -e '.[docs]'
+	$(PIP) install -q --no-compile -e '.[docs]'
 	touch $(DOCS_STAMP)
 
 ## make test: lint, then the fast test suite on both cores (CI runs this).  Each test file
@@ -35,7 +41,7 @@ test-slow: $(DOCS_STAMP)
 
 ## make test-peers: install the CPU PyTorch build and run the cross-checks against it.
 test-peers: $(STAMP)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0
 	$(PY) -m pytest -q -m peers
 
 ## make proofs: check every theorem the library relies on; writes proofs_checks/REPORT.md.
@@ -69,7 +75,7 @@ figures: $(STAMP)
 
 ## make bench: the speed benchmarks (installs the CPU PyTorch build); writes results/bench.{json,md}.
 bench: $(STAMP)
-	$(PY) -m pip install -q torch==2.13.0
+	$(PIP) install -q torch==2.13.0
 	$(PY) -m experiments.bench
 
 ## make docs: the documentation (guides and the API reference from the docstrings) into
