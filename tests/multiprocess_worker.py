@@ -196,14 +196,18 @@ def run_one(tx: optax.GradientTransformation, mesh: Mesh, steps: int) -> dict[st
     return out
 
 
-def run_fsdp(kwargs: dict, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
-    """:func:`compjax.fsdp`'s params and loss after each of ``steps`` steps and its final
-    state's leaves, as ``{name: array}``."""
-    init = {
+def initial_params() -> dict[str, np.ndarray]:
+    """The fsdp and DiLoCo cases' starting params (:data:`FSDP_SHAPES`), the same everywhere."""
+    return {
         name: np.linspace(-0.5, 0.5, int(np.prod(shape)), dtype=np.float32).reshape(shape)
         for name, shape in FSDP_SHAPES.items()
     }
-    params = to_global(init, mesh, P())
+
+
+def run_fsdp(kwargs: dict, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
+    """:func:`compjax.fsdp`'s params and loss after each of ``steps`` steps and its final
+    state's leaves, as ``{name: array}``."""
+    params = to_global(initial_params(), mesh, P())
     fs = compjax.fsdp(
         fsdp_loss, optax.adam(0.05), params, mesh, AXIS, min_size=FSDP_MIN_SIZE, **kwargs
     )
@@ -224,11 +228,7 @@ def run_fsdp(kwargs: dict, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
 def run_diloco(tx: optax.GradientTransformation, mesh: Mesh, steps: int) -> dict[str, np.ndarray]:
     """:func:`compjax.local_steps` with ``tx``: after each of ``steps`` steps every worker's
     params (stacked), the global params and the loss; then the final state's leaves."""
-    init = {
-        name: np.linspace(-0.5, 0.5, int(np.prod(shape)), dtype=np.float32).reshape(shape)
-        for name, shape in FSDP_SHAPES.items()
-    }
-    params = to_global(init, mesh, P())
+    params = to_global(initial_params(), mesh, P())
     ls = compjax.local_steps(fsdp_loss, tx, params, mesh, AXIS)
     local, state = ls.init(params)
     out = {}
