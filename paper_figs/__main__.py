@@ -32,6 +32,7 @@ FIGURES = (
     "fig10_onebit_adam",
     "fig11_variance_per_bit",
     "fig12_demo",
+    "fig13_diloco",
 )
 
 

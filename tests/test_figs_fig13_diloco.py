@@ -63,3 +63,9 @@ def test_the_sweep_walks_past_an_end_of_the_grid_only():
     assert fig.next_rates({1e-4: 2.4, 3e-4: 2.5}) == ()  # the ladder's end
     assert fig.next_rates({1e-3: 2.5, 3e-3: 2.4, 1e-2: math.nan}) == ()
     assert set(fig.SWEEP_GRID) <= set(fig.LADDER)
+
+
+def test_interval_drops_the_half_width_of_one_seed():
+    assert fig.interval(2.0, 0.25) == "2.000 ± 0.250"
+    assert fig.interval(2.0, math.inf) == "2.000"
+    assert fig.interval(0.031, 0.012, 100, "%", sign=True) == "+3.1 ± 1.2%"
