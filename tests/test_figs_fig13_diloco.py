@@ -69,3 +69,18 @@ def test_interval_drops_the_half_width_of_one_seed():
     assert fig.interval(2.0, 0.25) == "2.000 ± 0.250"
     assert fig.interval(2.0, math.inf) == "2.000"
     assert fig.interval(0.031, 0.012, 100, "%", sign=True) == "+3.1 ± 1.2%"
+
+
+def test_compressed_runs_are_compared_with_exact_diloco_at_the_same_h():
+    def runs(*values):
+        return [fig.Result(np.zeros(1), np.zeros(1), v, v, 0.0) for v in values]
+
+    methods = (fig.DATA_PARALLEL, fig.Method("exact", 10), fig.Method("int8", 10))
+    results = {
+        "data parallel": runs(1.0, 1.0),
+        "DiLoCo exact H=10": runs(2.0, 4.0),
+        "DiLoCo int8 H=10": runs(2.2, 4.4),
+    }
+    text = fig.against_exact(methods, results)
+    assert text.endswith("DiLoCo int8 H=10 +10.0 ± 0.0%.")
+    assert fig.against_exact(methods[:2], results) == ""
