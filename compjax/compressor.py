@@ -55,6 +55,7 @@ import numpy as np
 
 from compjax.numerics import divide, ldexp, round_to, to_dtype, unit_scale
 from compjax.payload import Payload
+from compjax.pieces import Pieces, split
 
 
 def check_float32_range(dtype, name: str = "x") -> None:
@@ -74,11 +75,15 @@ def check_float32_range(dtype, name: str = "x") -> None:
         )
 
 
+def _check_dtype(dtype) -> None:
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"x must be a floating point array, got dtype {np.dtype(dtype)}")
+    check_float32_range(dtype)
+
+
 def _check_input(x) -> jax.Array:
     x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"x must be a floating point array, got dtype {x.dtype}")
-    check_float32_range(x.dtype)
+    _check_dtype(x.dtype)
     return x
 
 
@@ -148,8 +153,8 @@ def mix32(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def counter_bits(seed: jax.Array, n: int) -> jax.Array:
-    """32 random bits for each of the counters ``0 .. n-1`` under a 64-bit ``seed``.
+def counter_bits(seed: jax.Array, n: int, offset: int = 0) -> jax.Array:
+    """32 random bits for each of the counters ``offset .. offset+n-1`` under a 64-bit ``seed``.
 
     Entry ``i`` is ``mix32(mix32(i + s0) ^ s1)`` with ``seed = (s0, s1)``
     (uint32, ``n <= 2**32``): a handful of integer operations per entry that
@@ -158,8 +163,13 @@ def counter_bits(seed: jax.Array, n: int) -> jax.Array:
     map ``s0 -> bits[i]`` is a bijection of uint32 (a composition of
     bijections), so a uniform ``s0`` gives exactly uniform 32 bits at every
     entry, and two independent seeds give independent bits at the same entry.
+    ``offset`` draws a stretch of the same stream: entries ``[o, o + n)`` of an
+    array are drawn by ``counter_bits(seed, n, o)`` exactly as by the whole
+    array's draw (:mod:`compjax.pieces`).
     """
     i = jax.lax.iota(jnp.uint32, n)
+    if offset:
+        i = i + jnp.uint32(offset)
     return mix32(mix32(i + seed[0]) ^ seed[1])
 
 
@@ -170,7 +180,13 @@ def uses_threefry(key) -> bool:
     return jax.config.jax_default_prng_impl == "threefry2x32" and key.shape[-1:] == (2,)
 
 
-def random_bits(key, shape) -> jax.Array:
+def counts_entries(key, n: int) -> bool:
+    """Whether :func:`random_bits` draws ``n`` entries of ``key`` from counters (so that a
+    stretch of them can be drawn alone, with ``offset``)."""
+    return uses_threefry(key) and n <= _MAX_COUNTER
+
+
+def random_bits(key, shape, offset: int = 0) -> jax.Array:
     """Uniform uint32 draws of ``shape``, one per entry, from a PRNG ``key``.
 
     For threefry keys (JAX's default) one threefry draw gives a 64-bit seed
@@ -180,16 +196,21 @@ def random_bits(key, shape) -> jax.Array:
     key implementation (``rbg``, or a custom one such as the scripted keys of
     ``proofs_checks``) draws with ``jax.random.bits``, so an implementation
     that chooses the bits controls every entry's draw.
+
+    ``offset``: the entries are entries ``offset ..`` of a larger array drawn
+    with the same key (counter-drawn keys only, :func:`counts_entries`).
     """
     shape = tuple(shape)
     n = math.prod(shape)
-    if uses_threefry(key) and n <= _MAX_COUNTER:
+    if counts_entries(key, offset + n):
         seed = jax.random.bits(key, (2,), jnp.uint32)
-        return counter_bits(seed, n).reshape(shape)
+        return counter_bits(seed, n, offset).reshape(shape)
+    if offset:
+        raise ValueError(f"offset={offset}: only counter-drawn (threefry) keys draw a stretch")
     return jax.random.bits(key, shape, jnp.uint32)
 
 
-def bernoulli(key, p: jax.Array) -> jax.Array:
+def bernoulli(key, p: jax.Array, offset: int = 0) -> jax.Array:
     """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
 
     Compares 32 random bits (:func:`random_bits`) with ``p * 2**32``: the
@@ -197,21 +218,21 @@ def bernoulli(key, p: jax.Array) -> jax.Array:
     integer) and otherwise off by less than ``2**-32``.
     ``jax.random.uniform`` would carry only 23 random bits and round every
     probability up to a multiple of ``2**-23``.  ``p = 1`` is always true and
-    ``p = 0`` always false.
+    ``p = 0`` always false.  ``offset`` as in :func:`random_bits`.
     """
-    bits = random_bits(key, p.shape)
+    bits = random_bits(key, p.shape, offset)
     scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
     threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
     return (bits < threshold) | (p >= 1.0)
 
 
-def stochastic_round(key, y: jax.Array, dtype) -> jax.Array:
+def stochastic_round(key, y: jax.Array, dtype, offset: int = 0) -> jax.Array:
     """Float32 ``y`` rounded onto ``dtype``'s grid at random, unbiased, as float32.
 
     Each entry becomes one of its two neighbours in ``dtype`` with the
     probabilities that keep ``E = y``, so the cast in :meth:`Compressor.finish`
     is exact.  The identity for float32; values beyond the dtype's largest
-    finite value saturate there (biased).
+    finite value saturate there (biased).  ``offset`` as in :func:`random_bits`.
     """
     if np.dtype(dtype).itemsize >= 4:
         return y
@@ -220,7 +241,7 @@ def stochastic_round(key, y: jax.Array, dtype) -> jax.Array:
     toward = jnp.nextafter(near.astype(dtype), jnp.where(y > near, limit, -limit))
     other = toward.astype(jnp.float32)
     p = divide(jnp.abs(y - near), jnp.abs(other - near))
-    return jnp.where(bernoulli(key, p), other, near)
+    return jnp.where(bernoulli(key, p, offset), other, near)
 
 
 def raw_key(key) -> jax.Array:
@@ -281,6 +302,68 @@ class Compressor:
         shape, dtype = payload.meta[0], payload.meta[1]
         flat = self.decode(payload.wire, payload.side, math.prod(shape), dtype)
         return self.finish(flat, payload)
+
+    # -- a flat array in pieces (gradient buckets, compjax.pieces) --------------
+    def compress_pieces(self, key, pieces: Pieces) -> Payload:
+        """``compress(key, pieces.join())``, built from the pieces where the compressor can.
+
+        The payload is the flat array's (the same wire arrays, metadata
+        ``((pieces.size,), dtype)``), so :meth:`decompress` decodes it.
+        Compressors that override :meth:`encode_pieces` (the elementwise
+        ones, :mod:`compjax.compressors.elementwise`) encode the pieces where
+        they lie; the others concatenate them first, a copy of the array.
+        """
+        if type(self).encode_pieces is Compressor.encode_pieces or not pieces.size:
+            return self.compress(key, pieces.join())
+        dtype = pieces.dtype
+        _check_dtype(dtype)
+        if not self.deterministic:
+            require_key(key, type(self).__name__)
+        if all(not isinstance(a, jax.core.Tracer) for a in pieces.sources):
+            self.warn_out_of_range(np.concatenate([np.asarray(a) for a in pieces.arrays]))
+        if not self.keeps_dtype:
+            pieces = pieces.astype(jnp.float32)
+        wire, side = self.encode_pieces(key, pieces, dtype)
+        return Payload(wire=wire, side=side, meta=((pieces.size,), np.dtype(dtype)))
+
+    def decompress_pieces(self, payload: Payload, sizes) -> list[jax.Array]:
+        """The decoded flat array cut into consecutive 1-D pieces of ``sizes`` entries.
+
+        ``split(decompress(payload), sizes)``, decoded straight into the
+        pieces where the compressor can (:meth:`decode_pieces`), without the
+        flat array in between.
+
+        Raises:
+          ValueError: ``sizes`` do not add up to the payload's entries.
+        """
+        sizes = tuple(int(s) for s in sizes)
+        if sum(sizes) != math.prod(payload.meta[0]):
+            raise ValueError(
+                f"sizes {sizes} add up to {sum(sizes)} entries; the payload has "
+                f"{math.prod(payload.meta[0])}"
+            )
+        if type(self).decode_pieces is Compressor.decode_pieces or not sum(sizes):
+            return split(self.decompress(payload).reshape(-1), sizes)
+        dtype = payload.meta[1]
+        flats = self.decode_pieces(payload.wire, payload.side, sizes, dtype)
+        return [to_dtype(f, dtype) for f in flats]
+
+    def encode_pieces(self, key, pieces: Pieces, dtype) -> tuple[dict, dict]:
+        """:meth:`encode` of the flat array that ``pieces`` lay end to end (float32 pieces
+        unless ``keeps_dtype``).
+
+        The default concatenates the pieces (a copy) and encodes the result;
+        compressors that can encode each piece where it lies override it and
+        return the same ``(wire, side)``.
+        """
+        return self.encode(key, pieces.join(), dtype)
+
+    def decode_pieces(self, wire: dict, side: dict, sizes: tuple[int, ...], dtype):
+        """:meth:`decode` cut into pieces of ``sizes`` entries (1-D, float32 or the wire's).
+
+        The default decodes the flat array and cuts it.
+        """
+        return split(self.decode(wire, side, sum(sizes), dtype), sizes)
 
     # -- helpers for compressors that override compress/decompress -------------
     def check(self, key, x) -> jax.Array:
