@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import compjax
-from compjax.compressor import counter_bits
+from compjax.draws import counter_bits
 from compjax.exchange import compressed_mean
 from compjax.pieces import Pieces, spans, split
 from compjax.transforms.base import Leaves, init_key, step_keys

@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, dtype_max, safe_divide, safe_norm
+from compjax.compressor import Compressor, dtype_max, safe_divide, safe_norm
 from compjax.compressors.elementwise import Elementwise
 from compjax.compressors.qsgd import norm_of_pieces, saturated_norm
+from compjax.draws import bernoulli
 from compjax.numerics import divide, round_to
 from compjax.pieces import Pieces
 

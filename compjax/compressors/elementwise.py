@@ -4,7 +4,7 @@ Sign, scaled sign, L2-scaled sign, TernGrad, QSGD, natural compression,
 natural dithering, the casts and ``int_quant`` send statistics of the whole
 array (a scale, a norm, ``max|x|``; QSGD's norms per row of its own buckets)
 and, for each entry, a code that depends only on the entry, those statistics
-and the entry's random draw, which :func:`compjax.compressor.counter_bits`
+and the entry's random draw, which :func:`compjax.draws.counter_bits`
 makes from the entry's index.  So the message of a gradient bucket can be
 built from its pieces where they lie (:class:`compjax.pieces.Pieces`), with
 no copy of the bucket: the statistics are reduced piece by piece, and the
@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import jax
 
-from compjax.compressor import Compressor, counts_entries
+from compjax.compressor import Compressor
+from compjax.draws import counts_entries
 from compjax.pieces import Pieces, Span, decode_spans, encode_spans, lcm, wire_slice
 
 

@@ -82,14 +82,8 @@ import jax
 import jax.numpy as jnp
 
 from compjax import hadamard
-from compjax.compressor import (
-    Compressor,
-    bernoulli,
-    counts_entries,
-    dtype_max,
-    raw_key,
-    stochastic_round,
-)
+from compjax.compressor import Compressor, dtype_max, raw_key
+from compjax.draws import bernoulli, counts_entries, stochastic_round
 from compjax.numerics import divide
 from compjax.pieces import Pieces, decode_spans, encode_spans, wire_slice
 
@@ -214,7 +208,7 @@ class IntQuant(Compressor):
         """Unbiased integer codes ``q`` in ``[-s, s]`` (int32) for ``scale >= max|x|``.
 
         ``offset``: ``flat`` is entries ``offset ..`` of a larger array, whose
-        random draws it takes (:func:`compjax.compressor.random_bits`).
+        random draws it takes (:func:`compjax.draws.random_bits`).
         """
         s = self.levels
         y = divide(flat.astype(jnp.float32), scale) * s  # exact power-of-two scaling first

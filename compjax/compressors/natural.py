@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import packing
-from compjax.compressor import Compressor, dtype_max, random_bits
+from compjax.compressor import Compressor, dtype_max
 from compjax.compressors.elementwise import Elementwise
+from compjax.draws import random_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1

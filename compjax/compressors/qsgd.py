@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, dtype_max, safe_norm
+from compjax.compressor import Compressor, dtype_max, safe_norm
 from compjax.compressors.elementwise import Elementwise
+from compjax.draws import bernoulli
 from compjax.numerics import ldexp, magnitude, round_to, unit_scale
 from compjax.pieces import Pieces
 
@@ -126,7 +127,7 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
 
     def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype, offset: int = 0):
         """Levels (int32) for magnitudes ``mag <= norm``, unbiased on the decoded grid
-        (:meth:`bracket`); ``offset`` as in :func:`compjax.compressor.random_bits`."""
+        (:meth:`bracket`); ``offset`` as in :func:`compjax.draws.random_bits`."""
         lo, hi, p = self.bracket(mag, norm, dtype)
         return jnp.where(bernoulli(key, p, offset), hi, lo)
 

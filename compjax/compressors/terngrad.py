@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, dtype_max
+from compjax.compressor import Compressor, dtype_max
 from compjax.compressors.elementwise import Elementwise
+from compjax.draws import bernoulli
 from compjax.numerics import divide, ldexp, magnitude, round_up_to, unit_scale
 from compjax.pieces import Pieces
 
@@ -61,7 +62,7 @@ def ternarize(key, x: jax.Array, scale: jax.Array, offset: int = 0) -> jax.Array
     Entry ``i`` is ``sign(x_i)`` with probability ``|x_i| / scale`` (exactly 1
     at ``|x_i| = scale``) and 0 otherwise, so that ``scale * value`` is an
     unbiased estimate of ``x``.  ``offset``: ``x`` is entries ``offset ..`` of
-    a larger array, whose random draws it takes (:func:`compjax.compressor.random_bits`).
+    a larger array, whose random draws it takes (:func:`compjax.draws.random_bits`).
     """
     mag = magnitude(x)
     keep = bernoulli(key, divide(mag, scale), offset) | ((mag >= scale) & (scale > 0))
