@@ -94,14 +94,18 @@ def message_bits(info: dict) -> float:
 
 
 def per_step(collectives: list[dict], sync_every: int | None) -> list[dict]:
-    """The collectives of a step averaged over a round of ``sync_every`` steps: those in a
-    conditional branch (the synchronisation, once a round) carry ``1 / sync_every`` of their
-    bits; all of them as they are when ``sync_every`` is ``None`` (a method that exchanges
-    every step)."""
+    """The compiled collectives a step runs, averaged over a round of ``sync_every`` steps.
+
+    Those in a ``while`` loop (``loop``: the overflow guard's resend, which runs
+    only when a float32 sum overflows) are left out; with ``sync_every``, those
+    in a conditional branch (the synchronisation, once a round) carry ``1 /
+    sync_every`` of their bits (``None``: a method that exchanges every step).
+    """
+    every = [c for c in collectives if not c.get("loop")]
     if sync_every is None:
-        return collectives
+        return every
     h = sync_every
-    return [{**c, "bits": c["bits"] / h} if c.get("conditional") else c for c in collectives]
+    return [{**c, "bits": c["bits"] / h} if c.get("conditional") else c for c in every]
 
 
 def theory_bits(collective: str, payload: float, n: int) -> float:
@@ -134,7 +138,7 @@ def loopback_bps(run: dict, n: int) -> float:
     if "compute" not in run or "unlimited" not in fp32.get("rates", {}):
         return math.inf
     busy = fp32["rates"]["unlimited"]["step_s"] - run["compute"]["step_s"]
-    bits = shared_bits(fp32["hlo_collectives"], n)
+    bits = shared_bits(per_step(fp32["hlo_collectives"], None), n)
     return bits / busy if busy > 0 and bits > 0 else math.inf
 
 
@@ -483,9 +487,9 @@ def figure(res: dict, report: dict, path) -> None:
     colors = matplotlib.colormaps["tab10"]
     for ax, (n, methods) in zip(axes, sorted(runs.items()), strict=False):
         fp32, r0 = methods["fp32"], loopback_bps(res["runs"][str(n)], n)
+        dense_hlo = per_step(fp32["hlo_collectives"], None)
         dense = [
-            predict(fp32["rates"]["unlimited"]["step_s"], fp32["hlo_collectives"], n, g * 1e9, r0)
-            for g in grid
+            predict(fp32["rates"]["unlimited"]["step_s"], dense_hlo, n, g * 1e9, r0) for g in grid
         ]
         for i, key in enumerate(k for k in res["methods"] if k in methods and k != "fp32"):
             m, color = methods[key], colors(i % 10)

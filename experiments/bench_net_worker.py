@@ -92,6 +92,8 @@ _CALLED = re.compile(
 _BRANCHES = re.compile(
     r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+))"
 )
+_WHILE = re.compile(r"\swhile\(")
+_LOOP_PARTS = re.compile(r"\b(?:condition|body)=%([\w.\-]+)")
 
 
 def shape_bits(shape: str) -> int:
@@ -105,11 +107,13 @@ def shape_bits(shape: str) -> int:
     return int(total)
 
 
-def conditional_computations(text: str) -> set[str]:
-    """The computations of a compiled HLO module that run only when a ``conditional`` takes
-    their branch: the branches and every computation they call."""
+def nested_computations(text: str) -> dict[str, set[str]]:
+    """The computations of a compiled HLO module that do not run once per execution:
+    ``"conditional"``, those that run only when a ``conditional`` takes their branch (the
+    branches and every computation they call), and ``"loop"``, those a ``while`` loop runs
+    (its condition and body, and every computation they call)."""
     calls: dict[str, set[str]] = {}
-    branches: set[str] = set()
+    roots: dict[str, set[str]] = {"conditional": set(), "loop": set()}
     current = None
     for line in text.splitlines():
         header = _COMPUTATION.match(line)
@@ -121,23 +125,32 @@ def conditional_computations(text: str) -> set[str]:
             continue
         calls[current].update(_CALLED.findall(line))
         for group, single in _BRANCHES.findall(line):
-            branches.update(n.strip().lstrip("%") for n in (group or single).split(",") if n)
-    seen, todo = set(), list(branches)
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo.extend(calls.get(name, ()))
-    return seen
+            names = (group or single).split(",")
+            roots["conditional"].update(n.strip().lstrip("%") for n in names if n)
+        if _WHILE.search(line):
+            roots["loop"].update(_LOOP_PARTS.findall(line))
+    out = {}
+    for kind, names in roots.items():
+        seen, todo = set(), list(names)
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(calls.get(name, ()))
+        out[kind] = seen
+    return out
 
 
 def hlo_collectives(text: str, workers: int) -> list[dict]:
     """The collectives of a compiled HLO module, with the message one worker contributes.
 
-    Returns ``{"op", "collective", "dtypes", "bits", "conditional"}`` per
-    collective op, in program order; ``conditional`` says whether it lies in
-    a branch of a ``conditional`` (:func:`conditional_computations`: a local-steps
-    method's synchronisation, which runs once a round); ``bits`` is the per-worker message in
+    Returns ``{"op", "collective", "dtypes", "bits", "conditional", "loop"}``
+    per collective op, in program order (:func:`nested_computations`):
+    ``conditional`` says whether it lies in a branch of a ``conditional`` (a
+    local-steps method's synchronisation, which runs once a round), ``loop``
+    whether in a ``while`` loop (compjax's overflow guard resends a mean in
+    a loop that runs only when a float32 sum overflows, so a step sends none
+    of these); ``bits`` is the per-worker message in
     :func:`compjax.costmodel.wire_bits`'s convention: the output of an
     all-reduce, an all-to-all or a permute, the output over ``workers`` for an
     all-gather, the output times ``workers`` for a reduce-scatter (every
@@ -146,7 +159,7 @@ def hlo_collectives(text: str, workers: int) -> list[dict]:
     and only the results (the last element) are counted.
     """
     found = []
-    branch, current = conditional_computations(text), None
+    nested, current = nested_computations(text), None
     for line in text.splitlines():
         header = _COMPUTATION.match(line)
         if header is not None:
@@ -168,7 +181,8 @@ def hlo_collectives(text: str, workers: int) -> list[dict]:
                 "collective": _OPS[op],
                 "dtypes": dtypes,
                 "bits": int(bits),
-                "conditional": current in branch,
+                "conditional": current in nested["conditional"],
+                "loop": current in nested["loop"],
             }
         )
     return found
@@ -283,7 +297,7 @@ def build(
         "payload_bits": payload_bits,
         "hlo_collectives": hlo_collectives(compiled.as_text(), n),
     }
-    info["hlo_wire_bits"] = hlo_wire_bits(info["hlo_collectives"], n)
+    info["hlo_wire_bits"] = hlo_wire_bits(per_step(info["hlo_collectives"], None), n)
     return Trainer(method, compiled, params, state, batches), info
 
 
@@ -334,7 +348,7 @@ def build_fsdp(
         "library_wire_bits": report.bits_per_worker,
         "hlo_collectives": hlo_collectives(compiled.as_text(), n),
     }
-    info["hlo_wire_bits"] = hlo_wire_bits(info["hlo_collectives"], n)
+    info["hlo_wire_bits"] = hlo_wire_bits(per_step(info["hlo_collectives"], None), n)
     return Trainer(method, fs.step, params, state, batches), info
 
 

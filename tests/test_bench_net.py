@@ -326,7 +326,18 @@ HloModule step
   ROOT %p = f32[4]{0} parameter(0)
 }
 
+%resend (t: (pred[], f32[4])) -> (pred[], f32[4]) {
+  %m = f32[4]{0} all-reduce(f32[4]{0} %y), replica_groups={}
+  ROOT %t = (pred[], f32[4]{0}) tuple(pred[] %z, f32[4]{0} %m)
+}
+
+%again (t: (pred[], f32[4])) -> pred[] {
+  ROOT %z = pred[] get-tuple-element((pred[], f32[4]{0}) %t), index=0
+}
+
 ENTRY %main (x: f32[4], b: s32[]) -> f32[4] {
+  %mean = f32[4]{0} all-reduce(f32[4]{0} %g), replica_groups={}
+  %w = (pred[], f32[4]) while((pred[], f32[4]) %i), condition=%again, body=%resend
   %loss = f32[] all-reduce(f32[] %l), replica_groups={}
   %k = f32[4] conditional(s32[] %b, f32[4] %x, f32[4] %x), branch_computations={%sync, %skip}
   ROOT %flag = s8[] all-reduce(s8[] %f), replica_groups={}
@@ -335,17 +346,21 @@ ENTRY %main (x: f32[4], b: s32[]) -> f32[4] {
 
 
 def test_collectives_of_the_synchronisation_are_counted_once_a_round():
-    assert bench_net_worker.conditional_computations(LOCAL_HLO) == {"sync", "skip", "helper"}
+    nested = bench_net_worker.nested_computations(LOCAL_HLO)
+    assert nested == {"conditional": {"sync", "skip", "helper"}, "loop": {"resend", "again"}}
     found = bench_net_worker.hlo_collectives(LOCAL_HLO, workers=4)
-    assert [(c["op"], c["bits"], c["conditional"]) for c in found] == [
-        ("all-gather", 128, True),  # in a computation the branch calls
-        ("all-reduce", 128, True),
-        ("all-reduce", 32, False),
-        ("all-reduce", 8, False),
+    assert [(c["op"], c["bits"], c["conditional"], c["loop"]) for c in found] == [
+        ("all-gather", 128, True, False),  # in a computation the branch calls
+        ("all-reduce", 128, True, False),
+        ("all-reduce", 128, False, True),  # the overflow guard's resend
+        ("all-reduce", 128, False, False),
+        ("all-reduce", 32, False, False),
+        ("all-reduce", 8, False, False),
     ]
     averaged = bench_net_report.per_step(found, 8)
-    assert [c["bits"] for c in averaged] == [16, 16, 32, 8]
-    assert bench_net_report.per_step(found, None) is found  # a method exchanging every step
+    assert [c["bits"] for c in averaged] == [16, 16, 128, 32, 8]
+    # a method exchanging every step: all but the resend, as they are
+    assert [c["bits"] for c in bench_net_report.per_step(found, None)] == [128, 128, 128, 32, 8]
 
 
 def test_round_seconds_are_the_mean_over_whole_rounds():
