@@ -438,21 +438,22 @@ def test_local_steps_traffic_per_round_and_goals(step_1gbit):
     rows = {(r["rate"], r["method"]): r for r in report["settings"]}
     assert rows["1gbit", "diloco-int8"]["predicted_s"] == pytest.approx(1.14)
     assert rows["1gbit", "diloco-int8"]["speedup_fp32"] == pytest.approx(5.32 / step_1gbit)
+    # the goals leave DiLoCo out, whether it beats dense fp32 by 27x or misses its
+    # prediction by 5x, or sends half its theory
+    for rate in ("unlimited", "1gbit"):
+        res["runs"]["4"]["methods"]["diloco-int8"]["rates"][rate]["tx_bytes"] //= 2
+    report = bench_net_report.analyse(res)
+    flows = {f["method"]: f for f in report["traffic"]}
+    assert flows["diloco-int8"]["ratio"] == pytest.approx(0.5, rel=1e-6)
     goals = report["goals"]
-    # the per-step goals leave DiLoCo out, whether it beats dense fp32 by 27x or misses its
-    # prediction by 5x; the traffic goal checks it
     assert "DiLoCo" not in goals[0]["detail"] and "QSGD" in goals[0]["detail"]
     assert goals[1]["detail"].startswith("1 of 1 settings")
+    assert "DiLoCo" not in goals[2]["detail"]
     assert [g["met"] for g in goals] == [True, True, True]
-    assert "DiLoCo n=4" in goals[2]["detail"] and "local steps" in goals[2]["goal"]
     text = bench_net_report.markdown(res, report)
     assert "| 4 | 1gbit | DiLoCo | 10 | 2 |" in text
     assert f"| {1e3 * step_1gbit:,.0f} | {500 * step_1gbit:,.0f} |" in text  # inner step ms
     assert "mean over 2 whole round(s)" in text
-    # a local step that sends less than it should misses the traffic goal
-    res["runs"]["4"]["methods"]["diloco-int8"]["rates"]["1gbit"]["tx_bytes"] //= 2
-    res["runs"]["4"]["methods"]["diloco-int8"]["rates"]["unlimited"]["tx_bytes"] //= 2
-    assert not bench_net_report.analyse(res)["goals"][2]["met"]
 
 
 @pytest.mark.slow
