@@ -90,6 +90,12 @@ from compjax.transforms.compressed_adam import (
     read_buffers,
     write_buffers,
 )
+from compjax.transforms.zero_one_adam_local import check_local_steps, local_zero_one_adam
+from compjax.transforms.zero_one_adam_schedule import (  # noqa: F401 (SCHEDULES re-exported)
+    SCHEDULES,
+    offset,
+    variance_steps,
+)
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -116,40 +122,6 @@ class ZeroOneAdamState(NamedTuple):
     server_error: Any
     key: jax.Array
     PER_WORKER = ("error", "server_error")
-
-
-SCHEDULES = ("compjax", "deepspeed")
-
-
-def _offset(schedule: str) -> int:
-    """How many steps DeepSpeed's count is ahead: its first ``step()`` counts, sets up
-    buffers and discards its gradient, so its step ``s`` is the gradient ``s - 1``."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return 1 if schedule == "deepspeed" else 0
-
-
-def variance_steps(
-    var_update_scaler: int, var_freeze_step: int, schedule: str = "compjax"
-) -> list[int]:
-    """The steps (from 1, one per gradient) on which the variance is updated: ``T_v``.
-
-    ``"compjax"``: ``var_update_scaler`` steps at interval 1, then as many at
-    interval 2 (the multiples of 2), 4, ..., up to ``var_freeze_step + 1``.
-    ``"deepspeed"``: DeepSpeed's ``ZeroOneAdam`` fed the same gradients: the
-    step ``t`` is a variance step when ``t + 1`` is a multiple of the
-    interval, up to ``var_freeze_step`` (e.g. ``1, 2, 3, 5, 7, 11`` where
-    compjax has ``1, 2, 4, 6, 8, 12``, at ``(2, 12)``).
-    """
-    offset = _offset(schedule)
-    steps, interval, counter = [], 1, 0
-    for t in range(1, var_freeze_step + 2 - offset):
-        if (t + offset) % interval == 0:
-            steps.append(t)
-            counter += 1
-            if counter == var_update_scaler:
-                counter, interval = 0, 2 * interval
-    return steps
 
 
 def scale_by_zero_one_adam(
@@ -214,7 +186,7 @@ def scale_by_zero_one_adam(
         b1, b2, eps, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler
     )
     check_grouping(flatten, bucket_size)
-    offset = _offset(schedule)
+    shift = offset(schedule)
     comp = l2_scaled_sign() if comp is None else comp
     as_exchange(exchange)
     server = ServerMemory(comp, exchange)
@@ -235,7 +207,7 @@ def scale_by_zero_one_adam(
         mus, nus, errors, old_memories = read_buffers(leaves, server, state)
         key, keys = step_keys(state.key, len(leaves.arrays))
         step = state.count + 1
-        phase = state.count + offset  # DeepSpeed's count is one ahead (see `schedule`)
+        phase = state.count + shift  # DeepSpeed's count is one ahead (see `schedule`)
         adaptive = phase <= var_freeze_step
         variance_step = adaptive & ((phase + 1) % state.var_interval == 0)
         # The first frozen step starts the buffers afresh: they held gradients' errors.
@@ -289,19 +261,56 @@ def zero_one_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    *,
+    local_step_scaler: int = 32678,
+    local_step_clipper: int = 1,
     **kwargs,
 ) -> optax.GradientTransformation:
-    """0/1 Adam with a learning rate: :func:`scale_by_zero_one_adam`, then ``-learning_rate``.
+    """0/1 Adam with a learning rate, synchronising every step or with local rounds.
+
+    ``local_step_clipper = 1`` (default): :func:`scale_by_zero_one_adam`,
+    then ``-learning_rate``; the params are replicated and every step
+    synchronises.  ``local_step_clipper > 1``: 0/1 Adam's local rounds
+    (:func:`compjax.transforms.zero_one_adam_local.local_zero_one_adam`) over
+    per-worker params, as :func:`compjax.diloco`: once the variance is
+    frozen the workers step their own params between synchronisations whose
+    interval doubles every ``local_step_scaler`` frozen steps up to
+    ``local_step_clipper``; ``update(grads, state, params)`` then needs this
+    worker's own ``params`` and must be the last transformation of a chain.
 
     Args:
       learning_rate: a float or an optax schedule.
       axis_name, var_freeze_step, var_update_scaler, b1, b2, eps: see
         :func:`scale_by_zero_one_adam`; ``kwargs``: its keyword options.
+      local_step_scaler: frozen steps between doublings of the local
+        interval (DeepSpeed's default 32678; no effect at
+        ``local_step_clipper = 1``).
+      local_step_clipper: the largest interval between synchronisations, the
+        paper's ``H`` (DeepSpeed's default is 16; compjax's 1 synchronises
+        every step).
+
+    Raises:
+      ValueError: as :func:`scale_by_zero_one_adam`, or ``local_step_scaler``
+        or ``local_step_clipper`` not an integer >= 1.
 
     References:
       Lu et al., "Maximizing Communication Efficiency for Large-scale
       Training via 0/1 Adam", ICLR 2023.
     """
+    check_local_steps(local_step_scaler, local_step_clipper)
+    if local_step_clipper > 1:
+        return local_zero_one_adam(
+            learning_rate,
+            axis_name,
+            var_freeze_step,
+            var_update_scaler,
+            b1,
+            b2,
+            eps,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+            **kwargs,
+        )
     return optax.chain(
         scale_by_zero_one_adam(
             axis_name, var_freeze_step, var_update_scaler, b1, b2, eps, **kwargs
