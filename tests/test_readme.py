@@ -118,6 +118,15 @@ def check_local_steps_shard_map(ns: dict) -> None:
     assert bool(jax.numpy.allclose(local, theta[None], rtol=1e-6, atol=1e-7))
 
 
+def check_zero_one_adam_local(ns: dict) -> None:
+    assert ns["kinds"][-1] == "compressed" and ns["kinds"].count("local") == 10
+    # the last step ended a round: every worker restarted from theta (to one rounding)
+    local, theta = jax.device_get(ns["local"]["w"]), ns["theta"]["w"]
+    assert bool(jax.numpy.allclose(local, theta[None], rtol=1e-6, atol=1e-7))
+    assert float(ns["loss"].mean()) < 0.3  # it trained (the loss starts near 0.34)
+    assert ns["mean_bits_per_step"](ns["report"], ns["kinds"]) < ns["report"].dense_bits
+
+
 CHECKS = {
     ("README.md", "Quickstart"): check_quickstart,
     ("docs/distributed.md", "A complete shard_map training step"): check_shard_map_step,
@@ -131,6 +140,7 @@ CHECKS = {
     ("docs/scaling.md", "Scaling and exchanges"): check_scaling,
     ("docs/local_steps.md", "Example: four workers under `vmap`"): check_local_steps_vmap,
     ("docs/local_steps.md", "Under `shard_map`"): check_local_steps_shard_map,
+    ("docs/local_steps.md", "0/1 Adam's local rounds"): check_zero_one_adam_local,
     ("docs/fsdp.md", "Usage"): check_fsdp,
 }
 

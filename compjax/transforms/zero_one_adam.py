@@ -1,4 +1,4 @@
-"""0/1 Adam without local steps: adaptive variance freezing and 1-bit synchronisation.
+"""0/1 Adam: adaptive variance freezing and 1-bit synchronisation, every step or in rounds.
 
 0/1 Adam (Lu et al. 2022) removes 1-bit Adam's uncompressed warm-up.  With
 the step ``t`` counted from 1, while ``t <= var_freeze_step + 1``:
@@ -19,14 +19,16 @@ through the error-compensated compressed all-reduce.  Every step updates
 with ``m / (sqrt(v) + eps)`` (no bias correction), as DeepSpeed's
 ``ZeroOneAdam`` does.
 
-**Not implemented: the local steps** (the paper's ``T_u``, DeepSpeed's
-``local_step_scaler`` and ``local_step_clipper``).  There the workers skip
-synchronisations and step their own parameters apart until the next one;
-compjax's transformations keep the parameters replicated, so this is 0/1
-Adam with a synchronisation at every step (``local_step_clipper = 1``, under
-which DeepSpeed's frozen phase reduces to the same 1-bit momentum exchange).
+That is :func:`scale_by_zero_one_adam`, and :func:`zero_one_adam` with
+``local_step_clipper = 1`` (the default): a synchronisation at every step,
+on replicated params.  :func:`zero_one_adam` with ``local_step_clipper > 1``
+adds the paper's local rounds ``T_u`` (DeepSpeed's ``local_step_scaler``
+and ``local_step_clipper``): once the variance is frozen each worker steps
+its own params between synchronisations that grow further apart, on the
+per-worker params of :func:`compjax.diloco`
+(:mod:`compjax.transforms.zero_one_adam_local`).
 
-**Where compjax departs from DeepSpeed's ``ZeroOneAdam``** (tested against a
+**Where the synchronising path departs from DeepSpeed's ``ZeroOneAdam``** (tested against a
 transcription of its ``step`` in ``tests/test_zero_one_adam.py``):
 
 * *The variance steps, shifted by one.*  DeepSpeed's first ``step()`` call
@@ -47,9 +49,12 @@ transcription of its ``step`` in ``tests/test_zero_one_adam.py``):
   the learning rate is constant and ``wd = 0`` (the scaled sign is positively
   homogeneous); after a change of learning rate DeepSpeed's error buffer
   carries the earlier rates into the next messages, and with weight decay
-  its momentum carries ``wd p (sqrt(v) + eps)``.  DeepSpeed's form is not
-  offered: compjax's frozen phase is 1-bit Adam's compression stage, with
-  the learning rate chained after it as for every optax transformation.
+  its momentum carries ``wd p (sqrt(v) + eps)``.  compjax's synchronising
+  frozen phase is 1-bit Adam's compression stage, with the learning rate
+  chained after it as for every optax transformation.  The local rounds,
+  whose learning rate is inside the transformation, keep DeepSpeed's
+  learning-rate units (without its weight decay), and its schedule's shift
+  is theirs to choose too (``schedule``).
 
 References:
   Lu, Li, Zhang, Tang, Awan, He, "Maximizing Communication Efficiency for
@@ -139,7 +144,7 @@ def scale_by_zero_one_adam(
     seed: int = 0,
     schedule: str = "compjax",
 ) -> optax.GradientTransformation:
-    """0/1 Adam's direction ``m / (sqrt(v) + eps)`` (no local steps; see the module docstring).
+    """0/1 Adam's direction ``m / (sqrt(v) + eps)``, synchronising every step (module docstring).
 
     ``compjax.communication`` reports one compressed round (a 1-bit gradient
     round and a 1-bit momentum round send the same messages); variance steps

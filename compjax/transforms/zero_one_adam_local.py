@@ -27,29 +27,39 @@ With ``d = sqrt(v) + eps`` (``v`` frozen) and the step's learning rate
   ``u <- 0``, ``L <- 0``; the update returned moves the worker to the new
   ``theta``.
 
-This is DeepSpeed's ``ZeroOneAdam`` with ``weight_decay = 0`` (it compresses
-``-u`` and reverts each worker's local steps before adding ``-S / d``),
-tested against a transcription of that step.  Unlike compjax's
-synchronising 0/1 Adam, which compresses in gradient units, the error
-buffers here are in the units of ``u``: the learning rate is inside the
-transformation, so the memory of a round is what the params missed, whatever
-the next round's length or rate.  At a constant rate and before the
-interval grows the two agree to float32 rounding (the scaled sign is
-positively homogeneous).
+This is DeepSpeed's ``ZeroOneAdam`` with ``weight_decay = 0`` (which
+compresses ``-u``, reverts each worker's local steps and adds ``-S / d``),
+tested against a transcription of that step.  Weight decay is not inside:
+``optax.add_decayed_weights`` chained before adds an L2 term to the
+gradients (it then enters the momentum, as any gradient).  Unlike compjax's
+synchronising 0/1 Adam, which compresses in gradient units with the
+learning rate chained after it, the error buffers here are in the units of
+``u``: the learning rate is inside the transformation, so the memory of a
+round is what the params missed, whatever the next round's length or rate.
+At a constant rate and before the interval grows the two agree to float32
+rounding (the scaled sign is positively homogeneous).
 
 The per-worker layout of :func:`compjax.diloco`: the params of ``update``
 are each worker's own (stacked on a leading worker axis outside the map,
 :func:`compjax.worker_copies`); the state holds the global params ``theta``
-(the params at the last synchronisation, float32 or wider, shared; read them
-with :func:`compjax.global_params`), the variance and the counters (shared),
-and each worker's momentum, accumulator and error buffers (per worker).  The
-updates must reach the params unchanged (chain nothing after it): a
-synchronisation returns ``theta - params``.
+(the params at the last synchronisation, float32 or wider; read them with
+:func:`compjax.global_params`), the momentum ``m`` the workers agree on,
+the variance and the counters (all shared), and each worker's own momentum,
+accumulator and error buffers (per worker).  After a synchronisation
+``theta`` and the momenta are the same on every worker bit for bit, and the
+params equal ``theta`` up to the rounding of the additive update
+``params + (theta - params)`` (exactly where ``params`` is within a factor 2
+of ``theta``; otherwise within half an ulp of ``theta - params`` plus half
+an ulp of ``theta``, in the params' dtype); the state keeps ``theta``, so
+the rounding never accumulates.  The updates must reach the params
+unchanged: chain nothing after it.
 
-Memory per worker for ``P`` parameters: the local params, ``theta``, ``m``,
-``v``, ``u`` and the error (``6P``, float32 apart from the params), plus the
-server error over a scatter-gather exchange (``7P``), against ``5P`` for the
-synchronising 0/1 Adam.
+Memory per worker for ``P`` parameters: the local params, ``theta``, the
+shared and the worker's momentum, ``v``, ``u`` and the error (``7P``,
+float32 apart from the params), and the shard owners' error over the
+scatter-gather exchange (``8P``), against ``5P`` for the synchronising 0/1
+Adam (DeepSpeed keeps the params, both moments, ``u``, the worker error and
+a server error of ``P/n``).
 
 References:
   Lu, Li, Zhang, Tang, Awan, He, "Maximizing Communication Efficiency for
