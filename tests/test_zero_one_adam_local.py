@@ -3,10 +3,10 @@
 Checked against an independent float64 numpy transcription of DeepSpeed's ``ZeroOneAdam.step``
 with local steps (no weight decay; each worker reverts its local steps and adds the decoded
 mean of its accumulated momentum), at every step on 4 vmap workers with gradients of each
-worker's own params; the workers agree after every synchronisation; ``local_step_clipper=1``
-follows the synchronising 0/1 Adam; the schedule of exchanges and the mean bits per step;
-non-finite gradients; bfloat16 params; the shard_map builder and an orbax checkpoint taken
-mid-round; bad arguments.
+worker's own params (both schedules, leaf by leaf and flattened); the workers agree after
+every synchronisation; ``local_step_clipper=1`` follows the synchronising 0/1 Adam; the
+schedule of exchanges and the mean bits per step; non-finite gradients; bfloat16 params; the
+shard_map builder and an orbax checkpoint taken mid-round; bad arguments.
 """
 
 import functools
@@ -75,16 +75,16 @@ def local_step(tx):
 
 
 @functools.cache
-def vmapped(schedule="compjax", clipper=CLIPPER):
-    tx = build(schedule, clipper)
+def vmapped(schedule="compjax", clipper=CLIPPER, flatten=False):
+    tx = build(schedule, clipper, flatten=flatten)
     init = jax.jit(lambda p: jax.vmap(lambda _: tx.init(p))(jnp.arange(N)))
     return init, jax.jit(jax.vmap(local_step(tx), axis_name="data"))
 
 
 @functools.cache
-def run(schedule="compjax", clipper=CLIPPER):
+def run(schedule="compjax", clipper=CLIPPER, flatten=False):
     """Per step: the workers' params (stacked) and the state, as numpy."""
-    init, step = vmapped(schedule, clipper)
+    init, step = vmapped(schedule, clipper, flatten)
     params, state = compjax.worker_copies(P0, N), init(P0)
     out = [jax.tree.map(np.asarray, (params, state))]
     for t in range(STEPS):
@@ -101,7 +101,23 @@ def np_grad(p, x, y):
     return {"w": 2 * x.T @ r / r.size, "b": 2 * r.sum(0) / r.size}
 
 
-def np_zero_one_adam(shift=0, clipper=CLIPPER, steps=STEPS):
+def join(tree, groups):
+    """The leaves of ``tree`` as one flat vector per group of leaf names (``flatten=True``:
+    one group of them all, in ``ravel_pytree``'s sorted order)."""
+    return {g: np.concatenate([np.reshape(tree[k], -1) for k in g]) for g in groups}
+
+
+def split(vectors):
+    """Inverse of :func:`join`, for one worker's vectors."""
+    out = {}
+    for group, vector in vectors.items():
+        sizes = np.cumsum([P0[k].size for k in group])[:-1]
+        for k, part in zip(group, np.split(vector, sizes), strict=True):
+            out[k] = part.reshape(P0[k].shape)
+    return out
+
+
+def np_zero_one_adam(shift=0, clipper=CLIPPER, steps=STEPS, flatten=False):
     """Every worker's params after every step, written from DeepSpeed's ``ZeroOneAdam.step``.
 
     ``s = t + shift`` is the count the schedule runs on.  While ``s <= FREEZE + 1`` the
@@ -110,25 +126,30 @@ def np_zero_one_adam(shift=0, clipper=CLIPPER, steps=STEPS):
     ``-lr m / d``.  Frozen: each worker's own momentum moves its params, and the comm buffer
     collects ``-lr m_i / d``; on a multiple of the local interval each worker reverts its
     local steps, compresses the buffer times ``d`` with its error, ``m = -mean / sum(lr)``
-    and the params move by ``mean / d``.
+    and the params move by ``mean / d``.  Each leaf is compressed alone, or with
+    ``flatten`` the leaves concatenated.
     """
-    f64 = lambda tree: {k: np.asarray(v, np.float64) for k, v in tree.items()}  # noqa: E731
-    workers = [f64(P0) for _ in range(N)]
-    zeros = {k: np.zeros((N, v.size)) for k, v in P0.items()}
-    m = {k: np.zeros((N, v.size)) for k, v in P0.items()}
-    v = {k: np.zeros(a.size) for k, a in P0.items()}
-    err = {k: np.zeros((N, a.size)) for k, a in P0.items()}
-    server = {k: np.zeros(a.size) for k, a in P0.items()}
-    comm = dict(zeros)
+    groups = (tuple(sorted(P0)),) if flatten else tuple((k,) for k in P0)
+    workers = [join({k: np.asarray(a, np.float64) for k, a in P0.items()}, groups)] * N
+    size = {g: sum(P0[k].size for k in g) for g in groups}
+    m = {g: np.zeros((N, size[g])) for g in groups}
+    v = {g: np.zeros(size[g]) for g in groups}
+    err = {g: np.zeros((N, size[g])) for g in groups}
+    server = {g: np.zeros(size[g]) for g in groups}
+    comm = {g: np.zeros((N, size[g])) for g in groups}
     lrs, var_interval, var_counter, interval, counter = 0.0, 1, 0, 1, 0
     history = []
     for t in range(1, steps + 1):
         s, lr = t + shift, lr_schedule(t - 1)
-        g = [np_grad(w, X[t - 1, i].astype(np.float64), Y[t - 1, i]) for i, w in enumerate(workers)]
-        g = {k: np.stack([gi[k].reshape(-1) for gi in g]) for k in P0}
+        g = [
+            join(np_grad(split(w), X[t - 1, i].astype(np.float64), Y[t - 1, i]), groups)
+            for i, w in enumerate(workers)
+        ]
+        g = {k: np.stack([gi[k] for gi in g]) for k in groups}
+        workers = [dict(w) for w in workers]
         if s <= FREEZE + 1:
             variance = s % var_interval == 0
-            for k in P0:
+            for k in groups:
                 if variance:
                     mean = g[k].mean(0)
                     m[k] = B1 * m[k] + (1 - B1) * mean
@@ -138,37 +159,36 @@ def np_zero_one_adam(shift=0, clipper=CLIPPER, steps=STEPS):
                         g[k], err[k], server[k], N, True
                     )
                 for i in range(N):
-                    step = lr * m[k][i] / (np.sqrt(v[k]) + EPS)
-                    workers[i][k] = workers[i][k] - step.reshape(P0[k].shape)
+                    workers[i][k] = workers[i][k] - lr * m[k][i] / (np.sqrt(v[k]) + EPS)
             if variance:
                 var_counter += 1
                 if var_counter == KAPPA:
                     var_counter, var_interval = 0, 2 * var_interval
         else:
             if s == FREEZE + 2:  # the error buffers restart at the freeze
-                for k in P0:
+                for k in groups:
                     err[k][:], server[k][:] = 0.0, 0.0
             lrs += lr
-            for k in P0:
+            for k in groups:
                 d = np.sqrt(v[k]) + EPS
                 m[k] = B1 * m[k] + (1 - B1) * g[k]
                 comm[k] = comm[k] - lr * m[k] / d
                 for i in range(N):
-                    workers[i][k] = workers[i][k] - (lr * m[k][i] / d).reshape(P0[k].shape)
+                    workers[i][k] = workers[i][k] - lr * m[k][i] / d
                 if s % interval == 0:
                     for i in range(N):  # revert the local steps
-                        workers[i][k] = workers[i][k] - comm[k][i].reshape(P0[k].shape)
+                        workers[i][k] = workers[i][k] - comm[k][i]
                     mean = compressed_allreduce(comm[k] * d, err[k], server[k], N, True)
                     m[k] = np.broadcast_to(-mean / lrs, m[k].shape).copy()
                     for i in range(N):
-                        workers[i][k] = workers[i][k] + (mean / d).reshape(P0[k].shape)
+                        workers[i][k] = workers[i][k] + mean / d
                     comm[k] = np.zeros_like(comm[k])
             if s % interval == 0:
                 lrs = 0.0
             counter += 1
             if counter == SCALER:
                 counter, interval = 0, min(clipper, 2 * interval)
-        history.append([dict(w) for w in workers])
+        history.append([split(w) for w in workers])
     return history
 
 
@@ -194,11 +214,16 @@ def assert_one_rounding(params, theta, before, dtype=np.float32):
 
 
 @pytest.mark.parametrize(
-    ("schedule", "shift"), [("compjax", 0), pytest.param("deepspeed", 1, marks=pytest.mark.slow)]
+    ("schedule", "shift", "flatten"),
+    [
+        ("compjax", 0, False),
+        pytest.param("deepspeed", 1, False, marks=pytest.mark.slow),
+        pytest.param("compjax", 0, True, marks=pytest.mark.slow),
+    ],
 )
-def test_local_rounds_follow_the_numpy_transcription_at_every_step(schedule, shift):
-    expected = np_zero_one_adam(shift)
-    runs = run(schedule)
+def test_local_rounds_follow_the_numpy_transcription_at_every_step(schedule, shift, flatten):
+    expected = np_zero_one_adam(shift, flatten=flatten)
+    runs = run(schedule, flatten=flatten)
     kinds = step_kinds(STEPS, FREEZE, KAPPA, SCALER, CLIPPER, schedule)
     for t in range(1, STEPS + 1):
         (before, _), (params, state) = runs[t - 1], runs[t]

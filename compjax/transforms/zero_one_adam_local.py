@@ -159,7 +159,7 @@ def _check_learning_rate(learning_rate) -> None:
     if isinstance(learning_rate, bool) or not isinstance(learning_rate, int | float):
         if jnp.ndim(learning_rate) != 0:
             raise ValueError(f"learning_rate must be a scalar or a schedule, got {learning_rate!r}")
-        return  # an array (optax.inject_hyperparams): checked by the caller's values
+        return  # an array (from optax.inject_hyperparams): its value is not known here
     if not 0.0 <= learning_rate < float("inf"):
         raise ValueError(f"learning_rate must be finite and >= 0, got {learning_rate!r}")
 
@@ -222,7 +222,7 @@ def local_zero_one_adam(
 
     References:
       Lu et al., "Maximizing Communication Efficiency for Large-scale
-      Training via 0/1 Adam", ICLR 2023, Algorithm 1.
+      Training via 0/1 Adam", ICLR 2023 (the local steps ``T_u``).
     """
     check_hyperparams(
         b1, b2, eps, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler
