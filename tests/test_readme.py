@@ -96,6 +96,18 @@ def check_fsdp(ns: dict) -> None:
     assert 0 < report.gradient_bits < report.dense_bits / 4  # 4-bit codes in 8-worker fields
 
 
+def check_fsdp_hpz(ns: dict) -> None:
+    P = ns["jax"].P
+    w = ns["params"]["w"]
+    assert w.sharding.spec == P(("local", "hosts"), None)
+    assert w.addressable_shards[0].data.shape == (8, 16)  # 1/8 of the kernel per device
+    assert not bool(jax.numpy.allclose(w, 0.1))  # it stepped
+    report = ns["report"]
+    assert report.slow_gather_bits == 128 * 8 + 32  # to the other host: 128 codes and a step
+    assert report.fast_gather_bits == 3 * 256 * 32  # the decoded secondary shard, 3 times
+    assert 0 < report.slow_gradient_bits < report.fast_gradient_bits / 10
+
+
 def check_scaling(ns: dict) -> None:
     report, d = ns["report"], 512 * 256 + 256
     # ring traffic on the fast axis (4 chips): 3/4 of the reduce-scatter's float32 input,
@@ -142,6 +154,7 @@ CHECKS = {
     ("docs/local_steps.md", "Under `shard_map`"): check_local_steps_shard_map,
     ("docs/local_steps.md", "0/1 Adam's local rounds"): check_zero_one_adam_local,
     ("docs/fsdp.md", "Usage"): check_fsdp,
+    ("docs/fsdp.md", "Two-level sharding on a (hosts, local) mesh (hpZ)"): check_fsdp_hpz,
 }
 
 RUNNABLE = [p for p in pages() if python_blocks(p)]
