@@ -55,6 +55,7 @@ from compjax.transforms.zero_one_adam import (
     scale_by_zero_one_adam,
     zero_one_adam,
 )
+from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
 __version__ = "0.1.0"
 
@@ -81,6 +82,7 @@ __all__ = [
     "StromState",
     "TernGradState",
     "VarianceBasedState",
+    "ZeroOneAdamLocalState",
     "ZeroOneAdamState",
     "atomo",
     "atomo_svd",
