@@ -22,6 +22,7 @@ from compjax.compressors.int_quant import (
     int_quant_rotated_omega,
 )
 from compjax.compressors.l2_sign import l2_scaled_sign
+from compjax.compressors.microscaling import mx
 from compjax.compressors.natural import natural
 from compjax.compressors.qsgd import qsgd, qsgd_omega
 from compjax.compressors.sign import scaled_sign, sign
@@ -55,6 +56,7 @@ from compjax.transforms.zero_one_adam import (
     scale_by_zero_one_adam,
     zero_one_adam,
 )
+from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
 __version__ = "0.1.0"
 
@@ -81,6 +83,7 @@ __all__ = [
     "StromState",
     "TernGradState",
     "VarianceBasedState",
+    "ZeroOneAdamLocalState",
     "ZeroOneAdamState",
     "atomo",
     "atomo_svd",
@@ -118,6 +121,7 @@ __all__ = [
     "int_quant_rotated_omega",
     "l2_scaled_sign",
     "local_steps",
+    "mx",
     "natural",
     "natural_dithering",
     "natural_dithering_omega",

@@ -45,7 +45,8 @@ from compjax.sharded import FSDP
 #: Kinds of the messages a hierarchical exchange sends over its fast axis.
 FAST_PREFIX = "fast_"
 
-#: Kind of the parameter all-gather of sharded training (:func:`compjax.fsdp`).
+#: Kind of the parameter all-gather of sharded training (:func:`compjax.fsdp`); on a
+#: ``(slow, fast)`` pair of axes, of its slow stage (the fast one is ``FAST_PREFIX + GATHER_KIND``).
 GATHER_KIND = "param_gather"
 
 #: Bits leaving each of ``n`` workers per payload bit, per collective (ring algorithms).
@@ -110,7 +111,8 @@ class CommunicationReport(NamedTuple):
 
     @property
     def fast_bits(self) -> float:
-        """Bits sent over the fast axis of a hierarchical exchange (uncompressed)."""
+        """Bits sent over the fast axis of a hierarchical exchange or of :func:`compjax.fsdp`
+        on a ``(slow, fast)`` pair of axes (uncompressed)."""
         return sum(b for kind, b in self.messages if kind.startswith(FAST_PREFIX))
 
     @property
@@ -120,7 +122,18 @@ class CommunicationReport(NamedTuple):
 
     @property
     def gather_bits(self) -> float:
-        """Bits of the parameter all-gather of sharded training (:func:`compjax.fsdp`); 0 else."""
+        """Bits of the parameter all-gather of sharded training (:func:`compjax.fsdp`), both
+        stages on a ``(slow, fast)`` pair of axes; 0 else."""
+        return self.fast_gather_bits + self.slow_gather_bits
+
+    @property
+    def fast_gather_bits(self) -> float:
+        """Bits of :attr:`gather_bits` over the fast axis (:mod:`compjax.hpz`; 0 on one axis)."""
+        return sum(b for kind, b in self.messages if kind == FAST_PREFIX + GATHER_KIND)
+
+    @property
+    def slow_gather_bits(self) -> float:
+        """Bits of :attr:`gather_bits` over the other axes (all of them on one axis)."""
         return sum(b for kind, b in self.messages if kind == GATHER_KIND)
 
     @property
@@ -128,6 +141,17 @@ class CommunicationReport(NamedTuple):
         """Bits of the gradient exchange: everything but :attr:`gather_bits` (under
         :func:`compjax.fsdp`, the reduce-scatter, the replicated leaves' mean and the flag)."""
         return self.bits_per_worker - self.gather_bits
+
+    @property
+    def fast_gradient_bits(self) -> float:
+        """Bits of :attr:`gradient_bits` over the fast axis (exact, uncompressed)."""
+        return self.fast_bits - self.fast_gather_bits
+
+    @property
+    def slow_gradient_bits(self) -> float:
+        """Bits of :attr:`gradient_bits` over the other axes (a message that crosses both
+        axes, the 8-bit non-finite flag, counts here)."""
+        return self.slow_bits - self.slow_gather_bits
 
 
 def _by_route(messages, routes) -> dict:
@@ -247,7 +271,10 @@ def communication(
         gradient exchange (:attr:`CommunicationReport.gradient_bits`) of one
         step, against the dense baseline of a ring all-reduce of the
         gradient (which is also what an uncompressed FSDP step sends: a
-        gather and a reduce-scatter of ``(n - 1) / n`` each).
+        gather and a reduce-scatter of ``(n - 1) / n`` each).  For a step
+        on a ``(slow, fast)`` pair of axes pass that pair as ``axis_name``;
+        each part is then also split by link (:attr:`CommunicationReport.fast_gather_bits`,
+        ``slow_gather_bits``, ``fast_gradient_bits``, ``slow_gradient_bits``).
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``), whole
         (the local blocks inside ``shard_map``).
       axis_name: the axis name (or tuple of names) ``tx``'s compjax parts

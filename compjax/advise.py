@@ -40,14 +40,15 @@ to reach the same quality can lose with a faster step.  ``steps_factor``
 over dense float32's (from ``make bench-e2e``'s table or your own runs);
 every method's time to quality is then ``X * step``, and the speedups,
 crossovers and the recommendation are about that time, not the step's.
+
+Sharded training (``--fsdp``) is costed by :mod:`compjax.advise_fsdp`; the command line
+is :mod:`compjax.advise_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -406,222 +407,9 @@ def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
     return "\n".join(lines)
 
 
-def _flag(kind: type, least: float, *, above: bool = False):
-    """An argparse type: a finite ``kind`` >= ``least`` (> with ``above``; an ``int`` any whole
-    number, ``25.6e6`` included); argparse's error names the flag."""
-
-    def parse(text: str):
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        ok = math.isfinite(value) and (value > least if above else value >= least)
-        if not ok or (kind is int and not value.is_integer()):
-            what = "a whole number" if kind is int else "a finite number"
-            bound = f"> {least:g}" if above else f">= {least:g}"
-            raise argparse.ArgumentTypeError(f"must be {what} {bound}, got {text!r}")
-        return kind(value)
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-#: The sharded-training (FSDP) steps :func:`advise_fsdp` costs: :func:`compjax.fsdp`'s
-#: keyword arguments (dense float32 first).
-FSDP_METHODS: dict[str, Callable[[], dict]] = {
-    "fsdp fp32": lambda: {},
-    "fsdp bf16": lambda: {"compressor": compjax.cast("bfloat16"), "gather": "bfloat16"},
-    "fsdp int8 gather + int4 grads": lambda: {
-        "compressor": compjax.int_quant(4),
-        "gather": "int8",
-    },
-    "fsdp scaled sign + EF, int8 gather": lambda: {
-        "compressor": compjax.scaled_sign(),
-        "feedback": "ef",
-        "gather": "int8",
-    },
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class FSDPAdvice:
-    """The predicted communication of one sharded-training step (:func:`advise_fsdp`).
-
-    Attributes:
-      method: a name of :data:`FSDP_METHODS`.
-      gather_bits: bits one worker sends per step gathering the parameters.
-      gradient_bits: the same for the gradient (reduce-scatter, the replicated
-        leaves' mean, the non-finite flag).
-      comm_s: the time of the step's messages on the network.
-      step_s: compute plus ``comm_s`` (codecs not timed).
-      speedup_fp32: dense float32 FSDP's ``step_s`` over this one's.
-    """
-
-    method: str
-    gather_bits: float
-    gradient_bits: float
-    comm_s: float
-    step_s: float
-    speedup_fp32: float
-
-
-def advise_fsdp(
-    params: Any,
-    workers: int,
-    bandwidth_gbps: float,
-    latency_us: float,
-    compute_s: float,
-    *,
-    shared: bool = False,
-    min_size: int = 4096,
-) -> list[FSDPAdvice]:
-    """Predicted communication of a :func:`compjax.fsdp` step for each of :data:`FSDP_METHODS`.
-
-    Each step's messages (the parameter all-gather, the gradient
-    reduce-scatter, the replicated leaves' mean and the flag) are counted by
-    :func:`compjax.communication` on an abstract mesh of ``workers`` (no
-    devices needed) and timed by :mod:`compjax.costmodel`: per worker the
-    gather sends ``(n - 1)/n M_param,c`` and the reduce-scatter
-    ``(n - 1)/n M_grad,c``.  Unlike :func:`advise`, the codecs are not timed:
-    ``step_s`` is ``compute_s`` plus the messages' time.
-
-    Args:
-      params: the params tree (arrays or ``jax.ShapeDtypeStruct``), or a parameter count.
-      workers: data-parallel workers, at least 2.
-      bandwidth_gbps, latency_us: the network (per worker, or of the shared
-        medium with ``shared=True``).
-      compute_s: forward and backward per step, without communication.
-      shared: one medium all workers' bits cross (``costmodel.SharedMedium``).
-      min_size: :func:`compjax.fsdp`'s ``min_size`` (smaller leaves stay replicated).
-
-    Returns:
-      One :class:`FSDPAdvice` per method, dense float32 FSDP first.
-
-    Raises:
-      ValueError: a bad argument, naming it.
-
-    References:
-      Wang et al., "ZeRO++: Extremely Efficient Collective Communication for
-      Giant Model Training", ICLR 2024.
-    """
-    if not isinstance(workers, int | np.integer) or isinstance(workers, bool) or workers < 2:
-        raise ValueError(f"workers must be an integer >= 2, got {workers!r}")
-    _positive("bandwidth_gbps", bandwidth_gbps)
-    _positive("compute_s", compute_s)
-    _positive("latency_us", latency_us, zero=True)
-    params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(np.shape(p), p.dtype), as_params(params))
-    kind = costmodel.SharedMedium if shared else costmodel.Network
-    network = kind(bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
-    mesh = jax.sharding.AbstractMesh((int(workers),), (AXIS,))
-    out = []
-    for name, kwargs in FSDP_METHODS.items():
-        fs = compjax.fsdp(
-            lambda p: 0.0, optax.sgd(0.0), params, mesh, AXIS, min_size=min_size, **kwargs()
-        )
-        report = compjax.communication(fs, params, AXIS, num_workers=int(workers))
-        comm = network.exchange(messages(report), int(workers))
-        step = compute_s + comm
-        fp32 = out[0].step_s if out else step
-        out.append(
-            FSDPAdvice(name, report.gather_bits, report.gradient_bits, comm, step, fp32 / step)
-        )
-    return out
-
-
-def fsdp_table(advice: Sequence[FSDPAdvice]) -> str:
-    """The FSDP methods as a text table: MiB per worker per step, times, speedup."""
-    lines = [
-        f"{'FSDP step':36s} {'gather MiB':>10s} {'grads MiB':>10s} {'comm ms':>9s} "
-        f"{'step ms':>9s} {'x fsdp fp32':>11s}"
-    ]
-    for a in advice:
-        lines.append(
-            f"{a.method:36s} {a.gather_bits / 8 / 2**20:10.2f} {a.gradient_bits / 8 / 2**20:10.2f}"
-            f" {1e3 * a.comm_s:9.1f} {1e3 * a.step_s:9.1f} {a.speedup_fp32:11.2f}"
-        )
-    return "\n".join(lines)
-
-
-def _parse_steps_factors(pairs: Sequence[str]) -> dict[str, float]:
-    """``["QSGD 4-bit=1.2", ...]`` as ``{"QSGD 4-bit": 1.2}``; a ``ValueError`` names the flag."""
-    factors = {}
-    for pair in pairs:
-        name, sep, value = pair.rpartition("=")
-        try:
-            factors[name.strip()] = float(value)
-        except ValueError:
-            sep = ""
-        if not sep or not name.strip():
-            raise ValueError(f"--steps-factor: expected METHOD=X, got {pair!r}")
-    return factors
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m compjax.advise",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--params", type=_flag(int, 1), required=True,
-                        help="parameter count (25.6e6)")  # fmt: skip
-    parser.add_argument("--workers", type=_flag(int, 2), required=True)
-    parser.add_argument("--bandwidth-gbps", type=_flag(float, 0, above=True), required=True)
-    parser.add_argument("--latency-us", type=_flag(float, 0), default=5.0)
-    parser.add_argument("--compute-ms", type=_flag(float, 0, above=True), required=True,
-                        help="per step, per worker")  # fmt: skip
-    parser.add_argument("--exchange", default="scatter_gather",
-                        choices=("scatter_gather", "all_gather"))  # fmt: skip
-    parser.add_argument("--shared", action="store_true", help="one medium shared by all workers")
-    parser.add_argument("--repeats", type=_flag(int, 1), default=5, help="timing rounds (5)")
-    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
-                        help="time by the wall clock, or the process's CPU time (steadier on "
-                        "a shared machine, CPU backends only)")  # fmt: skip
-    parser.add_argument("--sample-entries", type=_flag(int, 1), default=SAMPLE_ENTRIES,
-                        help="most entries of a timed sample leaf (4194304)")  # fmt: skip
-    parser.add_argument("--steps-factor", action="append", default=[], metavar="METHOD=X",
-                        help="a method's steps to a quality target over dense fp32's (repeat the "
-                        "flag per method): the answer is then about time to quality")  # fmt: skip
-    parser.add_argument("--fsdp", action="store_true",
-                        help="cost sharded-training (compjax.fsdp) steps instead: the parameter "
-                        "gather and the gradient reduce-scatter, codecs not timed")  # fmt: skip
-    args = parser.parse_args(argv)
-    if args.fsdp:
-        try:
-            rows = advise_fsdp(args.params, args.workers, args.bandwidth_gbps, args.latency_us,
-                               args.compute_ms / 1e3, shared=args.shared)  # fmt: skip
-        except ValueError as err:
-            parser.error(str(err))
-        print(
-            f"{args.params:,} parameters, {args.workers} workers, {args.bandwidth_gbps:g} Gbit/s "
-            f"({'one shared medium' if args.shared else 'each worker on its own link'}), "
-            f"{args.latency_us:g} us latency, {args.compute_ms:g} ms compute; FSDP steps "
-            "(leaves of 4,096 entries or more sharded), messages only"
-        )
-        print(fsdp_table(rows))
-        return 0
-    began, cpu = time.perf_counter(), time.process_time()
-    try:
-        factors = _parse_steps_factors(args.steps_factor)
-        advice = advise(args.params, args.workers, args.bandwidth_gbps, args.latency_us,
-                        args.compute_ms / 1e3, exchange=args.exchange, shared=args.shared,
-                        repeats=args.repeats, sample_entries=args.sample_entries,
-                        clock=args.clock, steps_factor=factors)  # fmt: skip
-    except ValueError as err:
-        parser.error(str(err))
-    link = "one shared medium" if args.shared else "each worker on its own link"
-    wall, cpu = time.perf_counter() - began, time.process_time() - cpu
-    print(
-        f"{args.params:,} parameters, {args.workers} workers, {args.bandwidth_gbps:g} Gbit/s "
-        f"({link}), {args.latency_us:g} us latency, {args.compute_ms:g} ms compute; codecs "
-        f"timed on {jax.devices()[0].platform} ({args.clock} clock) in {args.repeats} interleaved "
-        f"rounds, at most "
-        f"{args.sample_entries:,} entries per sample leaf, scaled by size ({wall:.1f} s, "
-        f"{cpu:.1f} s CPU)"
-    )
-    print(table(advice))
-    print(recommendation(advice, args.bandwidth_gbps))
-    return 0
-
-
 if __name__ == "__main__":
+    # ``python -m compjax.advise``: the command line lives in compjax.advise_cli, which also
+    # serves the sharded-training mode (compjax.advise_fsdp).
+    from compjax.advise_cli import main
+
     raise SystemExit(main())

@@ -53,8 +53,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.numerics import divide, ldexp, round_to, to_dtype, unit_scale
+from compjax.numerics import divide, ldexp, to_dtype, unit_scale
 from compjax.payload import Payload
+from compjax.pieces import Pieces, split
 
 
 def check_float32_range(dtype, name: str = "x") -> None:
@@ -74,11 +75,15 @@ def check_float32_range(dtype, name: str = "x") -> None:
         )
 
 
+def _check_dtype(dtype) -> None:
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"x must be a floating point array, got dtype {np.dtype(dtype)}")
+    check_float32_range(dtype)
+
+
 def _check_input(x) -> jax.Array:
     x = jnp.asarray(x)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"x must be a floating point array, got dtype {x.dtype}")
-    check_float32_range(x.dtype)
+    _check_dtype(x.dtype)
     return x
 
 
@@ -128,99 +133,6 @@ def require_key(key, name: str):
     if key is None:
         raise ValueError(f"{name} is stochastic: compress needs a PRNG key, got key=None")
     return key
-
-
-#: Largest array size the counter-based sampler handles (a uint32 counter per entry).
-_MAX_COUNTER = 2**32
-
-
-def mix32(h: jax.Array) -> jax.Array:
-    """A bijection of uint32 with full avalanche (Wellons' ``lowbias32``).
-
-    Each step is invertible: ``h ^ (h >> s)`` for ``s >= 1`` (the top ``s``
-    bits are unchanged and determine the next ones) and multiplication by an
-    odd constant modulo ``2**32``.
-    """
-    h = h ^ (h >> 16)
-    h = h * jnp.uint32(0x7FEB352D)
-    h = h ^ (h >> 15)
-    h = h * jnp.uint32(0x846CA68B)
-    return h ^ (h >> 16)
-
-
-def counter_bits(seed: jax.Array, n: int) -> jax.Array:
-    """32 random bits for each of the counters ``0 .. n-1`` under a 64-bit ``seed``.
-
-    Entry ``i`` is ``mix32(mix32(i + s0) ^ s1)`` with ``seed = (s0, s1)``
-    (uint32, ``n <= 2**32``): a handful of integer operations per entry that
-    XLA fuses into the loop that consumes the bits, where a threefry draw per
-    entry costs several times a memory copy.  For a fixed ``i`` and ``s1`` the
-    map ``s0 -> bits[i]`` is a bijection of uint32 (a composition of
-    bijections), so a uniform ``s0`` gives exactly uniform 32 bits at every
-    entry, and two independent seeds give independent bits at the same entry.
-    """
-    i = jax.lax.iota(jnp.uint32, n)
-    return mix32(mix32(i + seed[0]) ^ seed[1])
-
-
-def uses_threefry(key) -> bool:
-    """Whether ``key`` is a threefry key (typed, or a raw key of the default impl)."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return str(jax.random.key_impl(key)) == "threefry2x32"
-    return jax.config.jax_default_prng_impl == "threefry2x32" and key.shape[-1:] == (2,)
-
-
-def random_bits(key, shape) -> jax.Array:
-    """Uniform uint32 draws of ``shape``, one per entry, from a PRNG ``key``.
-
-    For threefry keys (JAX's default) one threefry draw gives a 64-bit seed
-    and :func:`counter_bits` expands it to one 32-bit word per entry: exactly
-    uniform at each entry and independent across independent keys (workers'
-    ``fold_in`` keys), at a fraction of a per-entry threefry draw.  Any other
-    key implementation (``rbg``, or a custom one such as the scripted keys of
-    ``proofs_checks``) draws with ``jax.random.bits``, so an implementation
-    that chooses the bits controls every entry's draw.
-    """
-    shape = tuple(shape)
-    n = math.prod(shape)
-    if uses_threefry(key) and n <= _MAX_COUNTER:
-        seed = jax.random.bits(key, (2,), jnp.uint32)
-        return counter_bits(seed, n).reshape(shape)
-    return jax.random.bits(key, shape, jnp.uint32)
-
-
-def bernoulli(key, p: jax.Array) -> jax.Array:
-    """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
-
-    Compares 32 random bits (:func:`random_bits`) with ``p * 2**32``: the
-    probability is exact for ``p >= 2**-8`` (where ``p * 2**32`` is an
-    integer) and otherwise off by less than ``2**-32``.
-    ``jax.random.uniform`` would carry only 23 random bits and round every
-    probability up to a multiple of ``2**-23``.  ``p = 1`` is always true and
-    ``p = 0`` always false.
-    """
-    bits = random_bits(key, p.shape)
-    scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
-    threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
-    return (bits < threshold) | (p >= 1.0)
-
-
-def stochastic_round(key, y: jax.Array, dtype) -> jax.Array:
-    """Float32 ``y`` rounded onto ``dtype``'s grid at random, unbiased, as float32.
-
-    Each entry becomes one of its two neighbours in ``dtype`` with the
-    probabilities that keep ``E = y``, so the cast in :meth:`Compressor.finish`
-    is exact.  The identity for float32; values beyond the dtype's largest
-    finite value saturate there (biased).
-    """
-    if np.dtype(dtype).itemsize >= 4:
-        return y
-    near = round_to(y, dtype)
-    limit = jnp.asarray(jnp.finfo(dtype).max, dtype)
-    toward = jnp.nextafter(near.astype(dtype), jnp.where(y > near, limit, -limit))
-    other = toward.astype(jnp.float32)
-    p = divide(jnp.abs(y - near), jnp.abs(other - near))
-    return jnp.where(bernoulli(key, p), other, near)
 
 
 def raw_key(key) -> jax.Array:
@@ -281,6 +193,68 @@ class Compressor:
         shape, dtype = payload.meta[0], payload.meta[1]
         flat = self.decode(payload.wire, payload.side, math.prod(shape), dtype)
         return self.finish(flat, payload)
+
+    # -- a flat array in pieces (gradient buckets, compjax.pieces) --------------
+    def compress_pieces(self, key, pieces: Pieces) -> Payload:
+        """``compress(key, pieces.join())``, built from the pieces where the compressor can.
+
+        The payload is the flat array's (the same wire arrays, metadata
+        ``((pieces.size,), dtype)``), so :meth:`decompress` decodes it.
+        Compressors that override :meth:`encode_pieces` (the elementwise
+        ones, :mod:`compjax.compressors.elementwise`) encode the pieces where
+        they lie; the others concatenate them first, a copy of the array.
+        """
+        if type(self).encode_pieces is Compressor.encode_pieces or not pieces.size:
+            return self.compress(key, pieces.join())
+        dtype = pieces.dtype
+        _check_dtype(dtype)
+        if not self.deterministic:
+            require_key(key, type(self).__name__)
+        if all(not isinstance(a, jax.core.Tracer) for a in pieces.sources):
+            self.warn_out_of_range(np.concatenate([np.asarray(a) for a in pieces.arrays]))
+        if not self.keeps_dtype:
+            pieces = pieces.astype(jnp.float32)
+        wire, side = self.encode_pieces(key, pieces, dtype)
+        return Payload(wire=wire, side=side, meta=((pieces.size,), np.dtype(dtype)))
+
+    def decompress_pieces(self, payload: Payload, sizes) -> list[jax.Array]:
+        """The decoded flat array cut into consecutive 1-D pieces of ``sizes`` entries.
+
+        ``split(decompress(payload), sizes)``, decoded straight into the
+        pieces where the compressor can (:meth:`decode_pieces`), without the
+        flat array in between.
+
+        Raises:
+          ValueError: ``sizes`` do not add up to the payload's entries.
+        """
+        sizes = tuple(int(s) for s in sizes)
+        if sum(sizes) != math.prod(payload.meta[0]):
+            raise ValueError(
+                f"sizes {sizes} add up to {sum(sizes)} entries; the payload has "
+                f"{math.prod(payload.meta[0])}"
+            )
+        if type(self).decode_pieces is Compressor.decode_pieces or not sum(sizes):
+            return split(self.decompress(payload).reshape(-1), sizes)
+        dtype = payload.meta[1]
+        flats = self.decode_pieces(payload.wire, payload.side, sizes, dtype)
+        return [to_dtype(f, dtype) for f in flats]
+
+    def encode_pieces(self, key, pieces: Pieces, dtype) -> tuple[dict, dict]:
+        """:meth:`encode` of the flat array that ``pieces`` lay end to end (float32 pieces
+        unless ``keeps_dtype``).
+
+        The default concatenates the pieces (a copy) and encodes the result;
+        compressors that can encode each piece where it lies override it and
+        return the same ``(wire, side)``.
+        """
+        return self.encode(key, pieces.join(), dtype)
+
+    def decode_pieces(self, wire: dict, side: dict, sizes: tuple[int, ...], dtype):
+        """:meth:`decode` cut into pieces of ``sizes`` entries (1-D, float32 or the wire's).
+
+        The default decodes the flat array and cuts it.
+        """
+        return split(self.decode(wire, side, sum(sizes), dtype), sizes)
 
     # -- helpers for compressors that override compress/decompress -------------
     def check(self, key, x) -> jax.Array:

@@ -80,6 +80,7 @@ from compjax.collectives import AxisName, num_workers, record, worker_index
 from compjax.compressor import Compressor
 from compjax.numerics import to_dtype
 from compjax.overflow import mean_without_overflow, rescaled_if_overflow
+from compjax.pieces import Pieces, split
 from compjax.scatter import (
     block_of,
     decoded_sum,
@@ -168,10 +169,13 @@ class Exchanged:
         all-gather; see the module docstring for the others).
       memory: the new server memory (``None`` when none is kept), in the
         precision it was computed in (float32 for a low-precision ``x``).
+
+    For an ``x`` given in :class:`compjax.pieces.Pieces` (a gradient
+    bucket), ``mean`` and ``local`` are lists of 1-D arrays, one per piece.
     """
 
-    mean: jax.Array
-    local: jax.Array
+    mean: jax.Array | list[jax.Array]
+    local: jax.Array | list[jax.Array]
     memory: jax.Array | None = None
 
 
@@ -189,14 +193,21 @@ def compressed_mean(
       comp: the compressor.
       key: a PRNG key shared by all workers; each worker folds in its index
         unless ``comp.linear`` (shared randomness is what lets payloads sum).
-      x: this worker's array.
+      x: this worker's array, or a flat array in :class:`compjax.pieces.Pieces`
+        (a gradient bucket, :meth:`compjax.transforms.buckets.Buckets.pieces`):
+        where the message is one payload of the whole array (one worker,
+        ``"all_gather"``, linear and summable compressors) it is built from
+        the pieces (:meth:`compjax.Compressor.compress_pieces`, no copy for
+        an elementwise compressor); the scatter-gather and hierarchical
+        exchanges cut the array into shards and join it first.
       axis_name: every data-parallel axis (a name or a tuple of names).
       exchange: ``"all_gather"``, ``"scatter_gather"`` or :func:`hierarchical`.
       memory: the shard owners' error memory (``x``'s shape), required
         exactly when :func:`keeps_memory`.
 
     Returns:
-      :class:`Exchanged` with the mean, this worker's part and the new memory.
+      :class:`Exchanged` with the mean, this worker's part and the new memory
+      (the mean and this worker's part in pieces for ``x`` in pieces).
     """
     exchange = as_exchange(exchange)
     if (memory is not None) != keeps_memory(comp, exchange):
@@ -210,7 +221,42 @@ def compressed_mean(
         raise ValueError(
             f"fast_axis {exchange.fast_axis!r} must be one of the axes in axis_name {axis_name!r}"
         )
+    if isinstance(x, Pieces):
+        return _exchanged_pieces(comp, key, x, names, fast, exchange.kind, memory)
     return _exchanged(comp, key, x, names, fast, exchange.kind, memory, guard=True)
+
+
+def _exchanged_pieces(comp, key, pieces: Pieces, names, fast, kind, memory) -> Exchanged:
+    """:func:`_exchanged` of a flat array in ``pieces``: the mean and own part in pieces."""
+    sizes = pieces.sizes
+    n = num_workers(names)
+    if n == 1:
+        payload = comp.compress_pieces(key, pieces)
+        via = "all_reduce" if comp.linear or summable(comp) else "all_gather"
+        record("payload", payload, via, names)
+        local = comp.decompress_pieces(payload, sizes)
+        return Exchanged(mean=local, local=local, memory=memory)
+    if fast or not (summable(comp) or comp.linear or kind == "all_gather"):
+        out = _exchanged(comp, key, pieces.join(), names, fast, kind, memory, guard=True)
+        return Exchanged(split(out.mean, sizes), split(out.local, sizes), out.memory)
+    if summable(comp):
+        mean, local = _summed(comp, key, pieces, names, n)
+    else:
+        mean, local = _gathered(comp, key, pieces, names, n)
+    as_pieces = lambda a: split(to_dtype(a, pieces.dtype), sizes)  # noqa: E731
+    return Exchanged(mean=as_pieces(mean), local=as_pieces(local), memory=memory)
+
+
+def _compress(comp, key, x):
+    """``comp``'s payload of an array, or of a flat array in pieces."""
+    return comp.compress_pieces(key, x) if isinstance(x, Pieces) else comp.compress(key, x)
+
+
+def _times(x, scale: float):
+    """``x * scale`` in ``x``'s dtype (for a flat array in pieces, piece by piece)."""
+    if isinstance(x, Pieces):
+        return Pieces(tuple(s * jnp.asarray(scale, s.dtype) for s in x.sources), x.ranges, x.dtype)
+    return x * jnp.asarray(scale, x.dtype)
 
 
 def _exchanged(comp, key, x, names, fast, kind, memory, guard):
@@ -261,7 +307,7 @@ def _gathered(comp, key, x, names, n, guard=True):
     if comp.linear:
 
         def summed(scale):
-            payload = comp.compress(key, x if scale == 1.0 else x * jnp.asarray(scale, x.dtype))
+            payload = _compress(comp, key, x if scale == 1.0 else _times(x, scale))
             record("payload", payload, "all_reduce", names)
             total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
             return comp.decompress(total).astype(jnp.float32), payload
@@ -271,7 +317,7 @@ def _gathered(comp, key, x, names, n, guard=True):
             return total / n, comp.decompress(payload)
         # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
         return mean_without_overflow(total, lambda s: summed(s)[0], n), comp.decompress(payload)
-    payload = comp.compress(collectives.worker_key(key, names), x)
+    payload = _compress(comp, collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
     gathered = collectives.all_gather(payload, names)
     total = decoded_sum(comp, gathered, n)
@@ -287,7 +333,9 @@ def _summed(comp, key, flat, names, n, guard=True):
 
     A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
     signs from ``key``, which all workers share: the rotation is linear, so
-    the summed codes are unrotated once.
+    the summed codes are unrotated once.  ``flat`` may be in
+    :class:`compjax.pieces.Pieces`, which the summable protocol's
+    ``rotate_in``, ``scale_of`` and ``encode_words`` take.
     """
     d = flat.shape[0]
     flat = comp.rotate_in(key, flat)

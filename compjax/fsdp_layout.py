@@ -29,13 +29,17 @@ def shard_dim(shape: tuple[int, ...], num_shards: int, min_size: int) -> int | N
     return -max(fits)[1] if fits else None
 
 
-def fsdp_specs(params: Any, num_shards: int, axis_name: str = "data", min_size: int = 4096):
+def fsdp_specs(
+    params: Any, num_shards: int, axis_name: str | tuple[str, ...] = "data", min_size: int = 4096
+):
     """The ``PartitionSpec`` of every parameter under :func:`fsdp` (a pure function of shapes).
 
     Args:
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
       num_shards: the number of workers along ``axis_name``.
-      axis_name: the data-parallel mesh axis.
+      axis_name: the data-parallel mesh axis, or a tuple of axes, major
+        first (:func:`compjax.fsdp` on a ``(slow, fast)`` pair splits over
+        ``(fast, slow)``: :mod:`compjax.hpz`).
       min_size: leaves with fewer entries stay replicated.
 
     Returns:

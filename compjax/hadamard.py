@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from compjax.compressor import random_bits
+from compjax.draws import random_bits
 
 
 def next_power_of_two(n: int) -> int:

@@ -34,6 +34,11 @@ def packed_bits(n: int, width: int) -> int:
     return -(-n // per_byte) * 8
 
 
+def codes_per_element(width: int) -> int:
+    """Codes of ``width`` bits in one element of the packed array (a byte, or one word)."""
+    return 8 // width if width < 8 else 1
+
+
 def pack(codes: jax.Array, width: int) -> jax.Array:
     """Pack a 1-D array of unsigned codes, each below ``2**width``.
 

@@ -15,7 +15,10 @@ its optimizer state.  Each step, every worker
 
 Which dimension of a leaf is split is decided by :func:`fsdp_specs` (the
 largest dimension divisible by the number of workers; leaves smaller than
-``min_size`` entries, or without such a dimension, stay replicated).
+``min_size`` entries, or without such a dimension, stay replicated).  On a
+``(slow, fast)`` pair of axes the gather and the reduce-scatter each take
+two stages, and only the slow stages are compressed (:mod:`compjax.hpz`,
+ZeRO++'s hpZ).
 
 References:
   Rajbhandari, Rasley, Ruwase, He, "ZeRO: Memory Optimizations Toward
@@ -28,6 +31,7 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -36,8 +40,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import collectives
-from compjax.collectives import any_worker, check_local_loss, record, unrecorded, worker_params
+from compjax import collectives, hpz
+from compjax.collectives import (
+    any_worker,
+    check_local_loss,
+    record,
+    unrecorded,
+    worker_index,
+    worker_params,
+)
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
 from compjax.exchange import compressed_reduce_scatter
@@ -62,7 +73,10 @@ class FSDPState(NamedTuple):
         order), each worker's own of the leaf's full shape (global shape
         ``(workers, *shape)``, split over the data axis): the error memory
         ``e_i`` (``"ef"``) or the gradient estimate ``g_i`` (``"ef21"``);
-        else ``()``.
+        else ``()``.  On a ``(slow, fast)`` pair of axes each worker's
+        memory is of the ``1/L`` of the leaf it sends over the slow axis
+        (the split dimension divided by ``L``), its rows in the order of the
+        params' shards.
       shift: with ``feedback="ef21"``, the owner's shard of
         ``mean_i g_i``, laid out like the parameter; else ``()``.
     """
@@ -95,7 +109,7 @@ class FSDP(NamedTuple):
     exchange: Callable[[Any], Any]
 
 
-def _opt_state_specs(opt, params, dims, n: int, axis_name: str):
+def _opt_state_specs(opt, params, dims, n: int, axis_name):
     """The optax state's specs: a leaf whose shape shrinks when ``opt.init`` sees the shards is
     laid out like a parameter, split ``n`` ways along the dimension that shrank; every other
     leaf (a step count) is replicated."""
@@ -131,7 +145,7 @@ def fsdp(
     opt: optax.GradientTransformation,
     params: Any,
     mesh: jax.sharding.Mesh,
-    axis_name: str = "data",
+    axis_name: str | tuple[str, str] = "data",
     *,
     compressor: Compressor | None = None,
     feedback: str | None = None,
@@ -165,7 +179,14 @@ def fsdp(
       params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
       mesh: the device mesh; every batch array is split along its first
         axis over ``axis_name``.
-      axis_name: the data-parallel mesh axis, over which the shards are split.
+      axis_name: the data-parallel mesh axis, over which the shards are split;
+        or a pair ``(slow, fast)`` of axes (``("hosts", "local")``: hosts
+        over a network, chips in a host), over both of which the shards are
+        split (:mod:`compjax.hpz`): the parameters are gathered over
+        ``slow`` (compressed as ``gather`` says) and then over ``fast``
+        (exact), and the gradient reduce-scattered over ``fast`` (exact)
+        and then, only the ``1/L`` each worker's host reduced, over ``slow``
+        (compressed with ``compressor``).
       compressor: the gradient compressor of the reduce-scatter (any compjax
         compressor; see :func:`compjax.exchange.compressed_reduce_scatter`);
         ``None`` sends the gradient as it is.
@@ -197,7 +218,8 @@ def fsdp(
       state come back unchanged, and the loss shows it.
 
     Raises:
-      ValueError: ``axis_name`` is not one axis of ``mesh``; ``gather`` or
+      ValueError: ``axis_name`` is not one axis of ``mesh`` or a pair of
+        distinct ones; ``gather`` or
         ``gather_block`` or ``feedback`` is invalid; ``feedback`` without a
         ``compressor``; an optimizer state leaf not laid out like a parameter;
         or, at the first ``step``, ``loss_fn``'s value is already reduced
@@ -210,12 +232,7 @@ def fsdp(
       "EF21: A New, Simpler, Theoretically Better, and Practically Faster
       Error Feedback", NeurIPS 2021.
     """
-    if not isinstance(axis_name, str):
-        raise ValueError(
-            f"fsdp shards over one mesh axis: axis_name must be a name, got {axis_name!r}"
-        )
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    names = hpz.check_axis_name(axis_name, mesh)
     if gather is not None and gather not in GATHERS:
         raise ValueError(f"gather must be None or one of {GATHERS}, got {gather!r}")
     if isinstance(gather_block, bool) or not isinstance(gather_block, int) or gather_block < 1:
@@ -227,8 +244,13 @@ def fsdp(
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
         raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
     comp = identity() if compressor is None else compressor
-    n = mesh.shape[axis_name]
-    param_specs = fsdp_specs(params, n, axis_name, min_size)
+    # The compressed stages run over ``slow`` (the only axis of a flat step); a pair adds the
+    # exact ``fast`` stages, and its shards are laid out local-major (see compjax.hpz).
+    slow, fast = names if len(names) == 2 else (names[0], None)
+    shard_axes = slow if fast is None else (fast, slow)
+    batch_axes = slow if fast is None else names  # host-major: a host's rows are contiguous
+    n, n_fast = math.prod(mesh.shape[a] for a in names), mesh.shape[fast] if fast else 1
+    param_specs = fsdp_specs(params, n, shard_axes, min_size)
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     dims = jax.tree.map(spec_dim, param_specs, is_leaf=is_spec)
     dim_list = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
@@ -236,10 +258,15 @@ def fsdp(
     # Error memories in float32, or the leaf's dtype where wider.
     memory_dtypes = [jnp.promote_types(p.dtype, jnp.float32) for p in jax.tree.leaves(params)]
     ef_leaves = [i for i, dim in enumerate(dim_list) if dim is not None] if feedback else []
+    # A worker's memory is of what it sends over ``slow``: the leaf, or 1/L of it on a pair.
+    memory_shapes = {
+        i: tuple(s // n_fast if j == dim_list[i] else s for j, s in enumerate(leaf_shapes[i]))
+        for i in ef_leaves
+    }
     specs = FSDPState(
-        opt_state=_opt_state_specs(opt, params, dims, n, axis_name),
+        opt_state=_opt_state_specs(opt, params, dims, n, shard_axes),
         key=P(),
-        memory=tuple(P(axis_name) for _ in ef_leaves),
+        memory=tuple(P(shard_axes) for _ in ef_leaves),
         shift=tuple(jax.tree.leaves(param_specs, is_leaf=is_spec)[i] for i in ef_leaves)
         if feedback == "ef21"
         else (),
@@ -249,39 +276,44 @@ def fsdp(
         """This worker's mean shard of gradient ``g`` (split along ``dim``), with the new memory
         and shift of ``feedback``."""
         if dim is None:
-            record("replicated_mean", g, "all_reduce", axis_name)
-            return collectives.psum(g, axis_name) / n, None, None
+            g = g if fast is None else hpz.fast_summed(g, fast)
+            record("replicated_mean", g, "all_reduce", slow)
+            return collectives.psum(g, slow) / n, None, None
         moved = jnp.moveaxis(g, dim, 0)
         shard_shape = (moved.shape[0] // n, *moved.shape[1:])
+        if fast is not None:  # the host's mean of this worker's 1/L, with a key of its own
+            moved = hpz.locally_reduced(moved, fast)
+            key = jax.random.fold_in(key, worker_index(fast))
 
         def to_shard(flat):
             return jnp.moveaxis(flat.reshape(shard_shape), 0, dim)
 
         if feedback is None:
-            return to_shard(compressed_reduce_scatter(comp, key, moved, axis_name).mean), None, None
+            return to_shard(compressed_reduce_scatter(comp, key, moved, slow).mean), None, None
         memory = jnp.moveaxis(memory, dim, 0)
         if feedback == "ef":
             target = moved + memory
-            sent = compressed_reduce_scatter(comp, key, target.astype(g.dtype), axis_name)
+            sent = compressed_reduce_scatter(comp, key, target.astype(g.dtype), slow)
             return to_shard(sent.mean), jnp.moveaxis(target - sent.local, 0, dim), None
-        sent = compressed_reduce_scatter(comp, key, (moved - memory).astype(g.dtype), axis_name)
+        sent = compressed_reduce_scatter(comp, key, (moved - memory).astype(g.dtype), slow)
         new_memory = jnp.moveaxis(memory + sent.local, 0, dim)
         new_shift = shift + to_shard(sent.mean).astype(shift.dtype)
         return new_shift.astype(g.dtype), new_memory, new_shift
 
+    def gather_one(x, dim):
+        """The whole leaf from every worker's shard ``x``: over ``slow`` as ``gather`` says (on
+        a pair, the secondary shard), then over ``fast`` exactly."""
+        whole = gathered(x, dim, slow, gather, gather_block)
+        return whole if fast is None else hpz.fast_gathered(whole, dim, fast)
+
     def gather_all(p):
         """The whole parameters from every worker's shards (as the forward pass sees them)."""
-        return jax.tree.map(
-            lambda x, dim: gathered(x, dim, axis_name, gather, gather_block),
-            p,
-            dims,
-            is_leaf=lambda x: x is None,
-        )
+        return jax.tree.map(gather_one, p, dims, is_leaf=lambda x: x is None)
 
     def reduce_all(grads, state):
         """Each leaf's mean shard, with the new key, memories, shifts and the non-finite check."""
         leaves = jax.tree.leaves(grads)
-        check = any_non_finite(leaves, axis_name)
+        check = any_non_finite(leaves, names)
         key, keys = step_keys(state.key, len(leaves))
         memories, shifts = [None] * len(leaves), [None] * len(leaves)
         for j, i in enumerate(ef_leaves):
@@ -299,20 +331,21 @@ def fsdp(
 
     def local_step(p, state, *batch):
         full = gather_all(p)
-        loss, grads = jax.value_and_grad(loss_fn)(worker_params(full, axis_name), *batch)
-        check_local_loss(loss, axis_name)  # a pmean inside loss_fn would make the step 1/n
+        # The backward pass reuses the gathered ``full``: nothing is gathered again.
+        loss, grads = jax.value_and_grad(loss_fn)(worker_params(full, names), *batch)
+        check_local_loss(loss, names)  # a pmean inside loss_fn would make the step 1/n
         shards, key, memory, shift, check = reduce_all(grads, state)
         # One decision for every worker (an 8-bit pmax): skip the step if any worker's gradient,
         # or what it led to, is not finite.
         floats = shards + list(memory) + list(shift)
         with unrecorded():  # the flag was logged by any_non_finite
-            bad = any_worker(check.local | ~all_finite(floats), axis_name)
+            bad = any_worker(check.local | ~all_finite(floats), names)
         grad_shards = jax.tree.unflatten(jax.tree.structure(grads), shards)
         updates, opt_state = opt.update(grad_shards, state.opt_state, p)
         new_params = optax.apply_updates(p, updates)
         new = (new_params, FSDPState(opt_state, key, memory, shift))
         kept = jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, (p, state))
-        return *kept, jax.lax.pmean(loss, axis_name)
+        return *kept, jax.lax.pmean(loss, names)
 
     def exchange(p):
         """One step's messages, in a worker's view: its shards ``p`` gathered, and a gradient
@@ -332,15 +365,15 @@ def fsdp(
         )
 
     def step(p, state, *batch):
-        in_specs = (param_specs, specs, *[P(axis_name)] * len(batch))
+        in_specs = (param_specs, specs, *[P(batch_axes)] * len(batch))
         mapped = jax.shard_map(
             local_step, mesh=mesh, in_specs=in_specs, out_specs=(param_specs, specs, P())
         )
-        batch = [jax.tree.map(lambda x: placed(x, P(axis_name)), b) for b in batch]
+        batch = [jax.tree.map(lambda x: placed(x, P(batch_axes)), b) for b in batch]
         return mapped(placed(p, param_specs), placed(state, specs), *batch)
 
     def local_init(p):
-        memory = tuple(jnp.zeros((1, *leaf_shapes[i]), memory_dtypes[i]) for i in ef_leaves)
+        memory = tuple(jnp.zeros((1, *memory_shapes[i]), memory_dtypes[i]) for i in ef_leaves)
         shards = jax.tree.leaves(p)
         shift = tuple(jnp.zeros(shards[i].shape, memory_dtypes[i]) for i in ef_leaves)
         return FSDPState(

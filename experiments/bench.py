@@ -9,7 +9,8 @@ reported as the median over the rounds after warm-up calls:
   on the wire) on a ``2**24``-entry float32 gradient and on a ResNet-50-like
   tree (161 leaves, 25.6M parameters), against a jitted ``x * 2`` of the same
   arrays (one read and one write of each); and on the same tree cut into
-  ``2**22``-entry buckets (``bucket_size=``: cut, compress; decode, rebuild).
+  ``2**22``-entry buckets (``bucket_size=``: each bucket encoded from its
+  pieces of leaves, decoded into them).
   Elementwise compressors are held to 2x the copy everywhere; EDEN (1 bit) to
   3x on ``2**24`` entries; the other rotation-based ones (EDEN 2 and 4 bits,
   DRIVE) and EDEN on the tree are reported without a goal;
@@ -220,8 +221,10 @@ def bench_roofline(shapes, specs, repeats: int, bucket_size: int | None = None) 
 
     With ``bucket_size``, the tree is cut into buckets of that many entries
     (:class:`compjax.transforms.buckets.Buckets`, as ``bucket_size=`` does in
-    the transformations): compress cuts and compresses the buckets, decompress
-    decodes them and rebuilds the tree's leaves.
+    ``compjax.compress``): compress encodes each bucket from its pieces
+    (:meth:`compjax.Compressor.compress_pieces`; a compressor that is not
+    elementwise concatenates them first), decompress decodes them into the
+    pieces and rebuilds the tree's leaves.
     """
     xs = random_tree(shapes)
     layout = None if bucket_size is None else Buckets(xs, bucket_size)
@@ -233,15 +236,23 @@ def bench_roofline(shapes, specs, repeats: int, bucket_size: int | None = None) 
     for spec in specs:
         comp = make_compressor(spec)
         if layout is None:
-            parts, whole = lambda xs: xs, lambda arrays: arrays
+            enc = jax.jit(
+                lambda keys, xs, comp=comp: [
+                    comp.compress(k, x) for k, x in zip(keys, xs, strict=True)
+                ]
+            )
+            dec = jax.jit(lambda ps, comp=comp: [comp.decompress(p) for p in ps])
         else:
-            parts, whole = layout.cut, layout.rebuild
-        enc = jax.jit(
-            lambda keys, xs, comp=comp, parts=parts: [
-                comp.compress(k, x) for k, x in zip(keys, parts(xs), strict=True)
-            ]
-        )
-        dec = jax.jit(lambda ps, comp=comp, whole=whole: whole([comp.decompress(p) for p in ps]))
+            enc = jax.jit(
+                lambda keys, xs, comp=comp: [
+                    comp.compress_pieces(k, x) for k, x in zip(keys, layout.pieces(xs), strict=True)
+                ]
+            )
+            dec = jax.jit(
+                lambda ps, comp=comp: layout.rebuild(
+                    [comp.decompress_pieces(p, layout.sizes(b)) for b, p in enumerate(ps)]
+                )
+            )
         payloads = jax.block_until_ready(enc(keys, xs))
         faults: dict = {}
         times = interleaved(

@@ -72,9 +72,8 @@ class E2EMethod:
         """DiLoCo's Algorithm 1: inner AdamW at ``lr``, outer Nesterov (0.7, momentum 0.9),
         a round of ``sync_every`` steps (default :attr:`sync_every`)."""
         comp = None if self.outer_compressor is None else self.outer_compressor()
-        outer = optax.sgd(DILOCO_OUTER_LR, momentum=0.9, nesterov=True)
         h = sync_every or self.sync_every
-        return compjax.diloco(optax.adamw(lr), outer, h, axis_name, compressor=comp)
+        return bench_net_model.diloco_optimizer(lr, axis_name, h, comp)
 
     @property
     def key(self) -> str:
@@ -90,9 +89,8 @@ class E2EMethod:
 
 
 ADAM_LRS = (1e-3, 2e-3, 4e-3)
-#: DiLoCo's outer learning rate (Nesterov, momentum 0.9), as in its paper.
-DILOCO_OUTER_LR = 0.7
-DILOCO_H = 50
+#: DiLoCo's round, as bench-net times it.
+DILOCO_H = bench_net_model.DILOCO_H
 
 _BENCH = {m.key: m for m in bench_net_model.METHODS}
 

@@ -46,7 +46,7 @@ from experiments.bench_net_worker import (
     barrier,
     build,
     gather_times,
-    replicated,
+    local_stepper,
     run_joined,
 )
 
@@ -172,12 +172,8 @@ def train_to_target(run: dict, mesh, measure_bytes: bool = False) -> dict:
 def _local_stepper(method, run, cfg, host_params, mesh, batch):
     """DiLoCo's compiled step over per-worker copies: ``(step, copies, state, info)``."""
     opt = method.local_optimizer(run["lr"], AXIS, run.get("sync_every"))
-    loss = lambda p, rows: loss_fn(p, rows, cfg.heads)  # noqa: E731
-    built = compjax.local_steps(loss, opt, replicated(host_params, mesh), mesh, AXIS)
-    copies, state = built.init(replicated(host_params, mesh))
-    start = time.perf_counter()
-    compiled = built.step.lower(copies, state, batch(0)).compile()
-    return compiled, copies, state, {"compile_s": time.perf_counter() - start}
+    compiled, copies, state, seconds = local_stepper(opt, cfg, host_params, mesh, batch(0))
+    return compiled, copies, state, {"compile_s": seconds}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -12,6 +12,11 @@ What is measured, all in one run:
   qdisc replace ... tbf``), and once without a limit.  Each setting is the
   median over the timed steps of the slowest process's step time, after
   warm-up steps;
+* **local steps**: DiLoCo (``H = 50``, int8 pseudo-gradients) and SparseLoCo
+  (``H = 15``), built with ``compjax.local_steps``, synchronise once a
+  round: their step time is the mean over whole rounds (the timed window is
+  ``rounds`` rounds, each ending with its synchronisation) and their bits
+  per step are a synchronisation's over ``H``;
 * **speedups** of each method over the two baselines timed in the same run
   at the same rate: dense float32 (``compress(identity())``, a psum) and the
   bfloat16 cast (a psum of bf16);
@@ -37,6 +42,7 @@ exits 0)::
     python -m experiments.bench_net --quick         # 1 Gbit/s only, fewer steps
     python -m experiments.bench_net --rates 1gbit --workers 4 --methods qsgd-sg,topk-sg
     python -m experiments.bench_net --quick --methods fsdp-fp32,fsdp-bf16,fsdp-zpp,fsdp-sign
+    python -m experiments.bench_net --quick --methods diloco-int8,sparseloco
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ QUICK_RATES = ("1gbit",)
 STEPS = {"unlimited": 5, "default": 5, "100mbit": 3}
 QUICK_STEPS = {"unlimited": 3, "default": 3, "100mbit": 2}
 WARMUP = 2
+#: Whole rounds timed per setting for the local-steps methods (DiLoCo's is 50 steps).
+ROUNDS, QUICK_ROUNDS = 2, 1
 COMPUTE_STEPS = 5
 BASE_PORT = 29400
 TIMEOUT_S = 3600
@@ -101,6 +109,7 @@ def plan(rates, methods, quick: bool) -> dict:
         "methods": [m.key for m in methods],
         "rates": [None, *rates],
         "steps": {r: table.get(r, table["default"]) for r in names},
+        "rounds": QUICK_ROUNDS if quick else ROUNDS,
         "warmup": 1 if quick else WARMUP,
         "compute_steps": 3 if quick else COMPUTE_STEPS,
     }
@@ -196,7 +205,13 @@ def main(argv=None) -> int:
         "config": {**config, "workers": list(workers), "quick": args.quick},
         "network": {"namespace": ns, "burst": netns.BURST, "latency": netns.LATENCY},
         "methods": {
-            m.key: {"label": m.label, "spec": m.spec, "collective": m.collective} for m in methods
+            m.key: {
+                "label": m.label,
+                "spec": m.spec,
+                "collective": m.collective,
+                "sync_every": m.sync_every,
+            }
+            for m in methods
         },
         "load_before": bench.load_average(),
         "runs": {},

@@ -9,7 +9,9 @@
   so the loss of a real training run falls;
 * :data:`METHODS`: the exchanges the benchmark times, as expressions of the
   training harness (:func:`experiments.methods.parse`), each with the
-  collective its payload travels by.
+  collective its payload travels by; and two local-steps methods, DiLoCo
+  with int8 pseudo-gradients every ``H = 50`` steps (:func:`diloco_optimizer`)
+  and SparseLoCo at its paper's defaults, which synchronise once a round.
 
 QSGD runs at ``levels=7``: one sign bit and ``bit_length(7) = 3`` magnitude
 bits pack to 4 bits per entry (``levels`` 2 to 7 all pack to 4 bits, 8 needs
@@ -209,7 +211,9 @@ class BenchMethod:
       spec: the harness expression (:func:`experiments.methods.parse`).
       collective: how its main payload travels: ``"allreduce"`` (a psum),
         ``"allgather"`` or ``"scatter_gather"`` (all-to-all of compressed
-        shards, then an all-gather of the re-compressed sums).
+        shards, then an all-gather of the re-compressed sums); ``"fsdp"``
+        (sharded training) or ``"local_steps"`` (per-worker params that
+        synchronise once every ``sync_every`` steps).
       lr: SGD learning rate (the sign methods' updates are +-1 per entry).
       factory: builds the transformation from the axis name instead of
         ``spec`` (the bf16 baseline, which is not a library method).
@@ -219,6 +223,12 @@ class BenchMethod:
         ``feedback``, ``gather``): the worker then builds the step with
         ``compjax.fsdp`` instead of the replicated step, and ``spec`` is
         only its description.
+      local: for a local-steps method (``collective="local_steps"``),
+        ``local(axis_name, sync_every)`` returns its optimizer of per-worker
+        params (:func:`compjax.diloco` or one built on it): the worker then
+        builds the step with :func:`compjax.local_steps`, and ``spec`` is
+        only its description.
+      sync_every: a local-steps method's ``H``, inner steps per round.
     """
 
     key: str
@@ -229,6 +239,52 @@ class BenchMethod:
     factory: Callable | None = None
     bits_per_entry: int | None = None
     fsdp: Callable[[], dict] | None = None
+    local: Callable[[str, int], optax.GradientTransformation] | None = None
+    sync_every: int | None = None
+
+    def __post_init__(self):
+        if (self.collective == "local_steps") != (self.local is not None):
+            raise ValueError(
+                f"local: given exactly for collective='local_steps' (method {self.key!r})"
+            )
+        if self.local is not None and (not isinstance(self.sync_every, int) or self.sync_every < 1):
+            raise ValueError(f"sync_every must be a positive integer, got {self.sync_every!r}")
+
+
+#: DiLoCo's outer step (Nesterov, momentum 0.9) and learning rate, as in its paper.
+DILOCO_OUTER_LR = 0.7
+#: DiLoCo's inner AdamW learning rate in the timed rows (bench-e2e sweeps its own).
+DILOCO_INNER_LR = 1e-3
+DILOCO_H = 50
+#: SparseLoCo's round in its paper's configuration (:func:`compjax.sparseloco`'s defaults).
+SPARSELOCO_H = 15
+
+
+def diloco_optimizer(
+    lr: float, axis_name: str, sync_every: int, compressor: Compressor | None = None
+) -> optax.GradientTransformation:
+    """DiLoCo's Algorithm 1: inner AdamW at ``lr``, outer Nesterov (learning rate 0.7,
+    momentum 0.9), a round of ``sync_every`` steps, pseudo-gradients sent by ``compressor``
+    (``None``: exactly).
+
+    References:
+      Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+      Models", arXiv 2311.08105, 2023.
+    """
+    outer = optax.sgd(DILOCO_OUTER_LR, momentum=0.9, nesterov=True)
+    return compjax.diloco(optax.adamw(lr), outer, sync_every, axis_name, compressor=compressor)
+
+
+def sparseloco_optimizer(axis_name: str, sync_every: int) -> optax.GradientTransformation:
+    """SparseLoCo as its paper configures it: inner AdamW (1e-3, weight decay 0.1) and
+    :func:`compjax.sparseloco`'s defaults (top-32 of every 4096 entries in 2 bits, error
+    decay 0.95, outer learning rate 1).
+
+    References:
+      Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo",
+      arXiv 2508.15706, 2025.
+    """
+    return compjax.sparseloco(optax.adamw(1e-3, weight_decay=0.1), sync_every, axis_name)
 
 
 #: Every compressed method but PowerSGD (whose factors are per matrix) sends the raveled
@@ -309,6 +365,23 @@ METHODS: tuple[BenchMethod, ...] = (
         "fsdp(compressor=scaled_sign(), feedback='ef', gather='int8')",
         "fsdp",
         fsdp=lambda: {"compressor": compjax.scaled_sign(), "feedback": "ef", "gather": "int8"},
+    ),
+    BenchMethod(
+        "diloco-int8",
+        f"DiLoCo H={DILOCO_H}, int8 outer gradients",
+        f"diloco(adamw({DILOCO_INNER_LR:g}), nesterov({DILOCO_OUTER_LR:g}, 0.9), "
+        f"sync_every={DILOCO_H}, compressor=int_quant(8))",
+        "local_steps",
+        local=lambda axis, h: diloco_optimizer(DILOCO_INNER_LR, axis, h, compjax.int_quant(8)),
+        sync_every=DILOCO_H,
+    ),
+    BenchMethod(
+        "sparseloco",
+        f"SparseLoCo H={SPARSELOCO_H}, top-32/4096 2-bit",
+        f"sparseloco(adamw(1e-3, weight_decay=0.1), sync_every={SPARSELOCO_H})",
+        "local_steps",
+        local=sparseloco_optimizer,
+        sync_every=SPARSELOCO_H,
     ),
 )
 #: The sharded-training methods (built with compjax.fsdp); parameters with fewer entries

@@ -35,6 +35,18 @@ parameters and reduce-scatter the gradient: their theory is
 more goals compare them (:func:`fsdp_goals`): at 1 Gbit/s with 4 processes
 the ZeRO++-style step (int8 gather, int4 gradients) at least 2x faster than
 dense float32 FSDP and 1.3x faster than bfloat16 FSDP.
+
+The local-steps methods (``collective == "local_steps"``: DiLoCo, SparseLoCo)
+exchange once a round of ``H`` steps, and are accounted per round: their
+step time is the mean over whole timed rounds (each synchronisation counted
+once in ``H`` steps), their compiled collectives in the synchronisation's
+branch count ``1 / H`` of their bits per step (:func:`per_step`; the
+prediction is linear in the bits, so it predicts that mean), and their
+traffic theory is a synchronisation's messages (the library's, ``M_c`` their
+sum) over ``H``: ``(n - 1) M_c / H`` all-gathered, ``2 (n - 1) / n M_c / H``
+all-reduced.  The goals are about methods that exchange every step and
+leave them out; the traffic table and :func:`local_table` give their
+measured traffic against that theory.
 """
 
 from __future__ import annotations
@@ -82,6 +94,21 @@ def message_bits(info: dict) -> float:
     return float(sum(gathered) or info["library_bits"])
 
 
+def per_step(collectives: list[dict], sync_every: int | None) -> list[dict]:
+    """The compiled collectives a step runs, averaged over a round of ``sync_every`` steps.
+
+    Those in a ``while`` loop (``loop``: the overflow guard's resend, which runs
+    only when a float32 sum overflows) are left out; with ``sync_every``, those
+    in a conditional branch (the synchronisation, once a round) carry ``1 /
+    sync_every`` of their bits (``None``: a method that exchanges every step).
+    """
+    every = [c for c in collectives if not c.get("loop")]
+    if sync_every is None:
+        return every
+    h = sync_every
+    return [{**c, "bits": c["bits"] / h} if c.get("conditional") else c for c in every]
+
+
 def theory_bits(collective: str, payload: float, n: int) -> float:
     """The per-worker traffic the goal states: ``2 (n-1)/n M_c`` or ``(n-1) M_c``; for
     FSDP (``payload = M_grad,c + M_param,c``) a reduce-scatter's and a gather's
@@ -112,7 +139,7 @@ def loopback_bps(run: dict, n: int) -> float:
     if "compute" not in run or "unlimited" not in fp32.get("rates", {}):
         return math.inf
     busy = fp32["rates"]["unlimited"]["step_s"] - run["compute"]["step_s"]
-    bits = shared_bits(fp32["hlo_collectives"], n)
+    bits = shared_bits(per_step(fp32["hlo_collectives"], None), n)
     return bits / busy if busy > 0 and bits > 0 else math.inf
 
 
@@ -155,11 +182,13 @@ def settings(res: dict) -> list[dict]:
                 if rate not in m["rates"] or "unlimited" not in m["rates"]:
                     continue
                 measured[key] = m["rates"][rate]["step_s"]
-                base, hlo = m["rates"]["unlimited"]["step_s"], m["hlo_collectives"]
+                base = m["rates"]["unlimited"]["step_s"]
+                hlo = per_step(m["hlo_collectives"], m.get("sync_every"))
                 predicted[key] = base if bps == math.inf else predict(base, hlo, n, bps, r0)
                 naive[key] = base if bps == math.inf else predict(base, hlo, n, bps)
             for key in measured:
                 row = {"workers": n, "rate": rate, "method": key, "loopback_bps": r0}
+                row["sync_every"] = methods[key].get("sync_every")
                 row |= {"measured_s": measured[key], "predicted_s": predicted[key]}
                 row["predicted_naive_s"] = naive[key]
                 for b in ("fp32", "bf16"):
@@ -183,7 +212,10 @@ def traffic(res: dict) -> list[dict]:
             per_setting = [measured_bits(s, n) for s in m["rates"].values()]
             measured = statistics.median(per_setting)
             library = m.get("library_wire_bits") or library_wire_bits(m["library_messages"], n)
-            if collective == "scatter_gather" and m.get("payload_bits") is None:
+            if collective == "local_steps":
+                # A synchronisation's messages, by the collectives that carry them, over H.
+                theory = library_wire_bits(m["library_messages"], n) / m["sync_every"]
+            elif collective == "scatter_gather" and m.get("payload_bits") is None:
                 # The sign vote's outcome is not a compressed message of M_c / n (2 bits
                 # per entry for even n): its theory is the library's count of both phases.
                 theory = library
@@ -194,6 +226,7 @@ def traffic(res: dict) -> list[dict]:
                     "workers": n,
                     "method": key,
                     "collective": collective,
+                    "sync_every": m.get("sync_every"),
                     "payload_bits": payload,
                     "theory_bits": theory,
                     "library_bits": library,
@@ -211,11 +244,13 @@ def verdict(ok: bool) -> str:
 
 
 def goals(rows: list[dict], flows: list[dict], labels: dict[str, str]) -> list[dict]:
-    """The three goals, each ``{"goal", "met", "detail"}``."""
+    """The three goals, each ``{"goal", "met", "detail"}``, over the methods that exchange
+    every step (the local-steps ones are left out)."""
     out = []
+    every_step = [r for r in rows if r.get("sync_every") is None]
     at = [
         r
-        for r in rows
+        for r in every_step
         if r["rate"] == GOAL_RATE and r["workers"] == GOAL_WORKERS and r["method"] != "fp32"
     ]
     best = max(at, key=lambda r: r["speedup_fp32"], default=None)
@@ -234,7 +269,7 @@ def goals(rows: list[dict], flows: list[dict], labels: dict[str, str]) -> list[d
             ),
         }
     )
-    limited = [r for r in rows if r["rate"] != "unlimited" and r["method"] != "fp32"]
+    limited = [r for r in every_step if r["rate"] != "unlimited" and r["method"] != "fp32"]
     off = [r for r in limited if abs(r["ratio"] - 1) > PREDICTION_TOLERANCE]
     naive_off = [r for r in limited if abs(r["ratio_naive"] - 1) > PREDICTION_TOLERANCE]
     worst = sorted(off, key=lambda r: -abs(r["ratio"] - 1))
@@ -320,6 +355,7 @@ def markdown(res: dict, report: dict) -> str:
     labels = {k: v["label"] for k, v in res["methods"].items()}
     first = next((r for r in res["runs"].values() if "parameters" in r), {})
     model = first.get("model", {})
+    local = [k for k, v in res["methods"].items() if v["collective"] == "local_steps"]
     lines = [
         "# compjax on a rate-limited network (make bench-net)",
         "",
@@ -331,7 +367,14 @@ def markdown(res: dict, report: dict) -> str:
         f"inside a network namespace whose loopback is limited by `tc tbf` (burst "
         f"{res['network']['burst']}, latency {res['network']['latency']}). Step time: median "
         f"over {cfg['steps']} timed steps of the slowest process, after {cfg['warmup']} "
-        f"warm-up steps (plus 1 at each rate). Load average {res.get('load_before')} before, "
+        f"warm-up steps (plus 1 at each rate)"
+        + (
+            f"; for the local-steps methods, the mean over {cfg['rounds']} whole round(s) "
+            "of H steps, each ending with its synchronisation (after one round of warm-up)"
+            if local
+            else ""
+        )
+        + f". Load average {res.get('load_before')} before, "
         f"{res.get('load_after')} after; {res.get('seconds', 0) / 60:.0f} min.",
         "",
         "Predicted = this method's step without a limit, less its compiled collectives' bits "
@@ -374,6 +417,8 @@ def markdown(res: dict, report: dict) -> str:
             f"| {f['library_bits'] / MIB:.2f} | {f['compiled_bits'] / MIB:.2f} "
             f"| {f['measured_bits'] / MIB:.2f} | {f['ratio']:.3f} |"
         )
+    if local:
+        lines += local_table(res, labels)
     lines += ["", "Compute alone (forward, backward, SGD; no exchange), per process count: "]
     lines[-1] += ", ".join(
         f"n={n}: {_ms(run['compute']['step_s'])} ms"
@@ -393,6 +438,35 @@ def markdown(res: dict, report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def local_table(res: dict, labels: dict[str, str]) -> list[str]:
+    """The local-steps methods' rounds: the mean step, its inner and synchronising steps, and
+    the bits per step (a synchronisation's over ``H``, plus every step's flag)."""
+    lines = [
+        "",
+        "Local steps (inner AdamW on each worker's own copy, one synchronisation every H "
+        "steps): the step time is the mean over whole rounds of the slowest process's step; "
+        "bits per step per worker = (a synchronisation's + H flags) / H, the library's "
+        "count, and measured. The goals below leave these rows out.",
+        "",
+        "| n | rate | method | H | rounds | mean step ms | inner step ms | sync step ms "
+        "| bits/step, library | bits/step, measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n_text, run in res["runs"].items():
+        n = int(n_text)
+        for key, m in _ran(run).items():
+            if m.get("sync_every") is None:
+                continue
+            for rate, r in m["rates"].items():
+                lines.append(
+                    f"| {n} | {rate} | {labels[key]} | {m['sync_every']} | {r.get('rounds')} "
+                    f"| {_ms(r['step_s'])} | {_ms(r.get('inner_s', math.nan))} "
+                    f"| {_ms(r.get('sync_s', math.nan))} | {m['library_wire_bits']:,.0f} "
+                    f"| {measured_bits(r, n):,.0f} |"
+                )
+    return lines
+
+
 # -- the figure ---------------------------------------------------------------------------------
 def figure(res: dict, report: dict, path) -> None:
     """Measured speedups over dense fp32 (markers) on the predicted curves, one panel per n."""
@@ -409,16 +483,16 @@ def figure(res: dict, report: dict, path) -> None:
     colors = matplotlib.colormaps["tab10"]
     for ax, (n, methods) in zip(axes, sorted(runs.items()), strict=False):
         fp32, r0 = methods["fp32"], loopback_bps(res["runs"][str(n)], n)
+        dense_hlo = per_step(fp32["hlo_collectives"], None)
         dense = [
-            predict(fp32["rates"]["unlimited"]["step_s"], fp32["hlo_collectives"], n, g * 1e9, r0)
-            for g in grid
+            predict(fp32["rates"]["unlimited"]["step_s"], dense_hlo, n, g * 1e9, r0) for g in grid
         ]
         for i, key in enumerate(k for k in res["methods"] if k in methods and k != "fp32"):
             m, color = methods[key], colors(i % 10)
             base = m["rates"]["unlimited"]["step_s"]
+            hlo = per_step(m["hlo_collectives"], m.get("sync_every"))
             curve = [
-                d / predict(base, m["hlo_collectives"], n, g * 1e9, r0)
-                for d, g in zip(dense, grid, strict=True)
+                d / predict(base, hlo, n, g * 1e9, r0) for d, g in zip(dense, grid, strict=True)
             ]
             ax.plot(grid, curve, "-", color=color, lw=1.4, label=labels[key])
             points = [r for r in report["settings"] if r["workers"] == n and r["method"] == key]

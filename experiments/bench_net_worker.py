@@ -16,7 +16,10 @@ each rate (the first without a limit), process 0 sets the loopback's token
 bucket with ``tc`` and every method in turn runs one more warm-up step, a
 barrier, the namespace's loopback ``tx_bytes``, the timed steps (each
 process blocks on each step's outputs and keeps its own times), a barrier
-and ``tx_bytes`` again.  A forward-backward-SGD step on each process's own
+and ``tx_bytes`` again.  The local-steps methods (DiLoCo, SparseLoCo: the
+step of :func:`compjax.local_steps` over per-worker copies) are timed over
+whole rounds instead (:func:`measure`): their first warm-up is a whole
+round, so that its synchronisation has run once.  A forward-backward-SGD step on each process's own
 device with no exchange at all is timed first (the compute alone).
 
 Process 0 writes the results as JSON after every rate, so a run cut short
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import statistics
@@ -55,6 +59,7 @@ from experiments.bench_net_model import (
     loss_fn,
 )
 from experiments.bench_net_model import tokens as make_tokens
+from experiments.bench_net_report import per_step
 
 AXIS = "data"
 P = jax.P
@@ -80,6 +85,15 @@ _LINE = re.compile(
     r"=\s*(?P<shape>.*?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\((?P<args>.*)$"
 )
 _ARRAY = re.compile(r"\b([a-z]+[0-9]+|pred)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(
+    r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%([\w.\-]+)"
+)
+_BRANCHES = re.compile(
+    r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+))"
+)
+_WHILE = re.compile(r"\swhile\(")
+_LOOP_PARTS = re.compile(r"\b(?:condition|body)=%([\w.\-]+)")
 
 
 def shape_bits(shape: str) -> int:
@@ -93,11 +107,50 @@ def shape_bits(shape: str) -> int:
     return int(total)
 
 
+def nested_computations(text: str) -> dict[str, set[str]]:
+    """The computations of a compiled HLO module that do not run once per execution:
+    ``"conditional"``, those that run only when a ``conditional`` takes their branch (the
+    branches and every computation they call), and ``"loop"``, those a ``while`` loop runs
+    (its condition and body, and every computation they call)."""
+    calls: dict[str, set[str]] = {}
+    roots: dict[str, set[str]] = {"conditional": set(), "loop": set()}
+    current = None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            current = header["name"]
+            calls[current] = set()
+            continue
+        if current is None:
+            continue
+        calls[current].update(_CALLED.findall(line))
+        for group, single in _BRANCHES.findall(line):
+            names = (group or single).split(",")
+            roots["conditional"].update(n.strip().lstrip("%") for n in names if n)
+        if _WHILE.search(line):
+            roots["loop"].update(_LOOP_PARTS.findall(line))
+    out = {}
+    for kind, names in roots.items():
+        seen, todo = set(), list(names)
+        while todo:
+            name = todo.pop()
+            if name not in seen:
+                seen.add(name)
+                todo.extend(calls.get(name, ()))
+        out[kind] = seen
+    return out
+
+
 def hlo_collectives(text: str, workers: int) -> list[dict]:
     """The collectives of a compiled HLO module, with the message one worker contributes.
 
-    Returns ``{"op", "collective", "dtypes", "bits"}`` per collective op, in
-    program order; ``bits`` is the per-worker message in
+    Returns ``{"op", "collective", "dtypes", "bits", "conditional", "loop"}``
+    per collective op, in program order (:func:`nested_computations`):
+    ``conditional`` says whether it lies in a branch of a ``conditional`` (a
+    local-steps method's synchronisation, which runs once a round), ``loop``
+    whether in a ``while`` loop (compjax's overflow guard resends a mean in
+    a loop that runs only when a float32 sum overflows, so a step sends none
+    of these); ``bits`` is the per-worker message in
     :func:`compjax.costmodel.wire_bits`'s convention: the output of an
     all-reduce, an all-to-all or a permute, the output over ``workers`` for an
     all-gather, the output times ``workers`` for a reduce-scatter (every
@@ -106,7 +159,12 @@ def hlo_collectives(text: str, workers: int) -> list[dict]:
     and only the results (the last element) are counted.
     """
     found = []
+    nested, current = nested_computations(text), None
     for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header is not None:
+            current = header["name"]
+            continue
         m = _LINE.search(line)
         if m is None or not line.lstrip().startswith(("%", "ROOT")):
             continue
@@ -117,7 +175,16 @@ def hlo_collectives(text: str, workers: int) -> list[dict]:
         op = m["op"]
         bits = {"all-gather": out / workers, "reduce-scatter": out * workers}.get(op, out)
         dtypes = sorted({dtype for dtype, _ in _ARRAY.findall(shape)})
-        found.append({"op": op, "collective": _OPS[op], "dtypes": dtypes, "bits": int(bits)})
+        found.append(
+            {
+                "op": op,
+                "collective": _OPS[op],
+                "dtypes": dtypes,
+                "bits": int(bits),
+                "conditional": current in nested["conditional"],
+                "loop": current in nested["loop"],
+            }
+        )
     return found
 
 
@@ -190,6 +257,8 @@ def build(
 
     if method.fsdp is not None:
         return build_fsdp(method, cfg, host_params, mesh, batches, optimizer)
+    if method.local is not None:
+        return build_local(method, cfg, host_params, mesh, batches)
     parsed = None if method.factory else methods.parse(method.spec)
     tx = method.factory(AXIS) if method.factory else parsed.build(AXIS)
     opt = optax.chain(tx, optax.sgd(method.lr) if optimizer is None else optimizer)
@@ -228,7 +297,7 @@ def build(
         "payload_bits": payload_bits,
         "hlo_collectives": hlo_collectives(compiled.as_text(), n),
     }
-    info["hlo_wire_bits"] = hlo_wire_bits(info["hlo_collectives"], n)
+    info["hlo_wire_bits"] = hlo_wire_bits(per_step(info["hlo_collectives"], None), n)
     return Trainer(method, compiled, params, state, batches), info
 
 
@@ -279,8 +348,65 @@ def build_fsdp(
         "library_wire_bits": report.bits_per_worker,
         "hlo_collectives": hlo_collectives(compiled.as_text(), n),
     }
-    info["hlo_wire_bits"] = hlo_wire_bits(info["hlo_collectives"], n)
+    info["hlo_wire_bits"] = hlo_wire_bits(per_step(info["hlo_collectives"], None), n)
     return Trainer(method, fs.step, params, state, batches), info
+
+
+#: Messages every step of a local-steps method sends (the non-finite flag); the others are
+#: the synchronisation's, sent once a round.
+EVERY_STEP_KINDS = ("flag",)
+
+
+def local_stepper(opt, cfg: LMConfig, host_params, mesh, batch) -> tuple:
+    """The compiled :func:`compjax.local_steps` step of ``opt`` (an optimizer of per-worker
+    params) on the language model: ``(step, copies, state, compile seconds)``; ``batch`` is
+    the global batch it is compiled for."""
+    loss = lambda p, rows: loss_fn(p, rows, cfg.heads)  # noqa: E731
+    built = compjax.local_steps(loss, opt, replicated(host_params, mesh), mesh, AXIS)
+    copies, state = built.init(replicated(host_params, mesh))
+    start = time.perf_counter()
+    compiled = built.step.lower(copies, state, batch).compile()
+    return compiled, copies, state, time.perf_counter() - start
+
+
+def build_local(
+    method: BenchMethod, cfg: LMConfig, host_params, mesh, batches
+) -> tuple[Trainer, dict]:
+    """:func:`build` for a local-steps method (:func:`local_stepper`), counted per round.
+
+    ``compjax.communication`` traces one synchronising step: its messages are
+    the round's (``library_messages``, ``payload_bits`` = ``M_c``), except the
+    flag every step sends (``step_messages``); ``library_wire_bits`` and
+    ``hlo_wire_bits`` are per step, averaged over a round of ``H =
+    sync_every`` steps (the synchronisation's bits over ``H`` plus each
+    step's own).
+    """
+    h, n = method.sync_every, mesh.size
+    opt = method.local(AXIS, h)
+    compiled, copies, state, compile_s = local_stepper(opt, cfg, host_params, mesh, batches[0])
+    report = compjax.communication(opt, host_params, AXIS, num_workers=n)
+    rows = list(zip(report.payloads, report.routes, report.messages, strict=True))
+    each = [r for r in rows if r[0][0] in EVERY_STEP_KINDS]
+    sync = [r for r in rows if r[0][0] not in EVERY_STEP_KINDS]
+
+    def listed(part):
+        return [[kind, bits, via == "all_gather"] for (kind, bits), (_, via, _), _ in part]
+
+    def ring(part):
+        return sum(wire for _, _, (_, wire) in part)
+
+    info = {
+        "compile_s": compile_s,
+        "sync_every": h,
+        "library_messages": listed(sync),
+        "step_messages": listed(each),
+        "library_bits": report.payload_bits,
+        "payload_bits": float(sum(bits for (_, bits), _, _ in sync)),
+        "library_wire_bits": ring(sync) / h + ring(each),
+        "hlo_collectives": hlo_collectives(compiled.as_text(), n),
+    }
+    info["hlo_wire_bits"] = hlo_wire_bits(per_step(info["hlo_collectives"], h), n)
+    return Trainer(method, compiled, copies, state, batches), info
 
 
 def time_compute(cfg: LMConfig, host_params, rank: int, steps: int) -> list[list[float]]:
@@ -308,9 +434,32 @@ def time_compute(cfg: LMConfig, host_params, rank: int, steps: int) -> list[list
 
 
 # -- the run ------------------------------------------------------------------------------------
-def measure(trainer: Trainer, steps: int, rank: int, idle_bytes: int) -> dict:
-    """Time ``steps`` steps of a warmed-up trainer; loopback bytes from process 0's counter."""
-    trainer.step()  # warm-up at this rate
+def round_warmup(trainer: Trainer) -> int:
+    """Warm-up steps before a local-steps method's timed window: enough to end the current
+    round (at least one whole round on a fresh trainer, so its synchronisation has run)."""
+    h = trainer.method.sync_every
+    return h if trainer.count == 0 else -trainer.count % h
+
+
+def measure(
+    trainer: Trainer, steps: int, rank: int, idle_bytes: int, rounds: int | None = None
+) -> dict:
+    """Time ``steps`` steps of a warmed-up trainer; loopback bytes from process 0's counter.
+
+    A local-steps method (``trainer.method.sync_every = H``) is timed over
+    ``rounds`` whole rounds instead: it first ends the round under way, then
+    the ``rounds * H`` timed steps each end with a synchronisation, so the
+    step time (``step_s``) is the **mean** over them of the slowest process's
+    step, each synchronisation counted once in ``H`` steps (``sync_s`` and
+    ``inner_s`` split it), and the traffic is whole rounds'.
+    """
+    h = trainer.method.sync_every
+    if h is None:
+        trainer.step()  # warm-up at this rate
+    else:
+        steps = rounds * h
+        for _ in range(round_warmup(trainer)):
+            trainer.step()
     barrier("before")
     before = netns.read_tx_bytes() if rank == 0 else 0
     times, losses = [], []
@@ -321,12 +470,31 @@ def measure(trainer: Trainer, steps: int, rank: int, idle_bytes: int) -> dict:
     barrier("after")
     sent = netns.read_tx_bytes() - before - idle_bytes if rank == 0 else 0
     all_times = gather_times(times)
-    return {
+    out = {
         "steps": steps,
         "times": all_times,
         "step_s": step_seconds(all_times),
         "tx_bytes": int(sent),
         "losses": losses,
+    }
+    if h is not None:
+        out |= round_seconds(all_times, h)
+    return out
+
+
+def round_seconds(times: list[list[float]], sync_every: int) -> dict:
+    """A local-steps method's step times over whole rounds (each process's list starting at
+    a round's first step): the mean of the slowest process's step (``step_s``), and of its
+    synchronising steps (every ``sync_every``-th, ``sync_s``) and the others (``inner_s``)."""
+    slowest = np.max(np.asarray(times), axis=0)
+    if slowest.size == 0 or slowest.size % sync_every:
+        raise ValueError(f"{slowest.size} steps are not whole rounds of {sync_every}")
+    rounds = slowest.reshape(-1, sync_every)
+    return {
+        "rounds": int(rounds.shape[0]),
+        "step_s": float(slowest.mean()),
+        "sync_s": float(rounds[:, -1].mean()),
+        "inner_s": float(rounds[:, :-1].mean()) if sync_every > 1 else math.nan,
     }
 
 
@@ -358,7 +526,7 @@ def run(config: dict, rank: int, n: int, out: Path | None) -> dict:
             result["methods"][key] = {"skipped": f"TypeError: {err}"}
             say(f"[n={n}] {method.label}: SKIPPED (TypeError: {err})", flush=True)
             continue
-        for _ in range(config["warmup"]):
+        for _ in range(config["warmup"] if method.sync_every is None else 0):
             trainer.step()
         trainers[key] = trainer
         result["methods"][key] = {**info, "rates": {}}
@@ -377,7 +545,7 @@ def run(config: dict, rank: int, n: int, out: Path | None) -> dict:
             installed = rate is not None
         barrier(f"rate {name}")
         for key, trainer in trainers.items():
-            r = measure(trainer, config["steps"][name], rank, idle)
+            r = measure(trainer, config["steps"][name], rank, idle, config["rounds"])
             result["methods"][key]["rates"][name] = r
             mb = r["tx_bytes"] / n / r["steps"] / 2**20
             say(

@@ -5,9 +5,9 @@ Exact expectations: "scripted" PRNG keys
 The stochastic compressors of compjax (QSGD, TernGrad, natural compression,
 ATOMO) make one independent binary decision per coordinate by comparing
 random bits with a threshold: 32 bits against ``p * 2**32``
-(``compjax.compressor.bernoulli``; QSGD, TernGrad, ATOMO) or, for natural
+(``compjax.draws.bernoulli``; QSGD, TernGrad, ATOMO) or, for natural
 compression, the top 23 bits against the mantissa.  The bits come from
-``compjax.compressor.random_bits``: for threefry keys a counter-based hash
+``compjax.draws.random_bits``: for threefry keys a counter-based hash
 of one threefry draw, for any other PRNG implementation that
 implementation's ``random_bits``.  A custom PRNG implementation
 (:func:`jax.extend.random.define_prng_impl`) whose ``random_bits`` returns

@@ -26,6 +26,8 @@ EXTRA_SPECS = (
     "natural_dithering(levels=1)",
     "cast('float8_e4m3fn')",
     "cast('float4_e2m1fn')",
+    "mx('float4_e2m1fn', block=4)",
+    "mx('float8_e4m3fn')",
     "chunked_top_k(k=2, chunk=8)",
 )
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compjax import advise, codec_timing, costmodel
+from compjax import advise, advise_cli, advise_fsdp, codec_timing, costmodel
 
 
 def test_a_parameter_count_is_a_matrix_of_1024_columns_and_the_rest():
@@ -125,7 +125,7 @@ def test_cli_bad_values_name_the_flag(flag, value, message, capsys):
     args = {"--params": "8192", "--workers": "4", "--bandwidth-gbps": "1", "--compute-ms": "10"}
     args[flag] = value
     with pytest.raises(SystemExit) as exit_:
-        advise.main([x for pair in args.items() for x in pair])
+        advise_cli.main([x for pair in args.items() for x in pair])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -210,7 +210,7 @@ def test_the_recommendation_names_the_shortest_step():
 
 
 def test_cli_times_the_codecs_and_prints_every_method_and_a_recommendation(capsys):
-    code = advise.main(
+    code = advise_cli.main(
         ["--params", "8192", "--workers", "4", "--bandwidth-gbps", "1", "--compute-ms", "10",
          "--repeats", "2"]
     )  # fmt: skip
@@ -229,8 +229,8 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     the gather and (n-1)/n of the gradient in the reduce-scatter (plus the 8-bit flag's
     all-reduce); the compressed steps send less and are faster at the same compute."""
     n, entries = 4, 64 * codec_timing.COLUMNS
-    rows = advise.advise_fsdp(entries, n, 1.0, 0.0, 0.01)
-    assert [r.method for r in rows] == list(advise.FSDP_METHODS)
+    rows = advise_fsdp.advise_fsdp(entries, n, 1.0, 0.0, 0.01)
+    assert [r.method for r in rows] == list(advise_fsdp.FSDP_METHODS)
     fp32, bf16, zpp, sign = rows
     assert fp32.gather_bits == 0.75 * 32 * entries
     assert fp32.gradient_bits == 0.75 * 32 * entries + 2 * 0.75 * 8  # + the flag
@@ -242,11 +242,12 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     assert fp32.step_s == pytest.approx(0.01 + fp32.comm_s)
     assert 1 < bf16.speedup_fp32 < zpp.speedup_fp32 < sign.speedup_fp32
     with pytest.raises(ValueError, match="workers"):
-        advise.advise_fsdp(entries, 1, 1.0, 0.0, 0.01)
+        advise_fsdp.advise_fsdp(entries, 1, 1.0, 0.0, 0.01)
     # the command line, on one shared medium (n times the bits on one link), dense FSDP only
-    monkeypatch.setattr(advise, "FSDP_METHODS", {"fsdp fp32": advise.FSDP_METHODS["fsdp fp32"]})
+    dense_only = {"fsdp fp32": advise_fsdp.FSDP_METHODS["fsdp fp32"]}
+    monkeypatch.setattr(advise_fsdp, "FSDP_METHODS", dense_only)
     args = ["--fsdp", "--params", str(entries), "--workers", "4", "--bandwidth-gbps", "1"]
-    assert advise.main([*args, "--compute-ms", "10", "--latency-us", "0", "--shared"]) == 0
+    assert advise_cli.main([*args, "--compute-ms", "10", "--latency-us", "0", "--shared"]) == 0
     out = capsys.readouterr().out
     shared_ms = 1e3 * (0.01 + n * fp32.comm_s)
     assert "one shared medium" in out and f"{shared_ms:9.1f}" in out.splitlines()[-1]
@@ -305,10 +306,10 @@ def test_bad_steps_factors_are_named(factors, message):
 def test_cli_steps_factor_flag(capsys):
     args = ["--params", "8192", "--workers", "4", "--bandwidth-gbps", "1", "--compute-ms", "10"]
     with pytest.raises(SystemExit) as exit_info:
-        advise.main([*args, "--steps-factor", "QSGD 4-bit:2"])
+        advise_cli.main([*args, "--steps-factor", "QSGD 4-bit:2"])
     assert exit_info.value.code == 2
     assert "--steps-factor: expected METHOD=X, got 'QSGD 4-bit:2'" in capsys.readouterr().err
-    assert advise._parse_steps_factors(["QSGD 4-bit=2", "bf16 cast=1.1"]) == {
+    assert advise_cli._parse_steps_factors(["QSGD 4-bit=2", "bf16 cast=1.1"]) == {
         "QSGD 4-bit": 2.0,
         "bf16 cast": 1.1,
     }

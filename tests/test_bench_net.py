@@ -305,3 +305,182 @@ def test_bf16_bits_compressor_sends_bfloat16_as_uint16():
     decoded = comp.decompress(payload)
     np.testing.assert_array_equal(decoded, x.astype(jnp.bfloat16).astype(jnp.float32))
     assert not comp.linear  # all-to-all-ed and summed by the owner in float32
+
+
+# -- local steps: DiLoCo and SparseLoCo, accounted per round ------------------------------------
+LOCAL_HLO = """
+HloModule step
+%helper (a: f32[4]) -> f32[16] {
+  %a = f32[4]{0} parameter(0)
+  ROOT %g = f32[16]{0} all-gather(f32[4]{0} %a), dimensions={0}
+}
+
+%sync (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %s = s32[4]{0} all-reduce(s32[4]{0} %q), replica_groups={}
+  %c = f32[16]{0} call(f32[4]{0} %p), to_apply=%helper
+  ROOT %r = f32[4]{0} slice(f32[16]{0} %c), slice={[0:4]}
+}
+
+%skip (p: f32[4]) -> f32[4] {
+  ROOT %p = f32[4]{0} parameter(0)
+}
+
+%resend (t: (pred[], f32[4])) -> (pred[], f32[4]) {
+  %m = f32[4]{0} all-reduce(f32[4]{0} %y), replica_groups={}
+  ROOT %t = (pred[], f32[4]{0}) tuple(pred[] %z, f32[4]{0} %m)
+}
+
+%again (t: (pred[], f32[4])) -> pred[] {
+  ROOT %z = pred[] get-tuple-element((pred[], f32[4]{0}) %t), index=0
+}
+
+ENTRY %main (x: f32[4], b: s32[]) -> f32[4] {
+  %mean = f32[4]{0} all-reduce(f32[4]{0} %g), replica_groups={}
+  %w = (pred[], f32[4]) while((pred[], f32[4]) %i), condition=%again, body=%resend
+  %loss = f32[] all-reduce(f32[] %l), replica_groups={}
+  %k = f32[4] conditional(s32[] %b, f32[4] %x, f32[4] %x), branch_computations={%sync, %skip}
+  ROOT %flag = s8[] all-reduce(s8[] %f), replica_groups={}
+}
+"""
+
+
+def test_collectives_of_the_synchronisation_are_counted_once_a_round():
+    nested = bench_net_worker.nested_computations(LOCAL_HLO)
+    assert nested == {"conditional": {"sync", "skip", "helper"}, "loop": {"resend", "again"}}
+    found = bench_net_worker.hlo_collectives(LOCAL_HLO, workers=4)
+    assert [(c["op"], c["bits"], c["conditional"], c["loop"]) for c in found] == [
+        ("all-gather", 128, True, False),  # in a computation the branch calls
+        ("all-reduce", 128, True, False),
+        ("all-reduce", 128, False, True),  # the overflow guard's resend
+        ("all-reduce", 128, False, False),
+        ("all-reduce", 32, False, False),
+        ("all-reduce", 8, False, False),
+    ]
+    averaged = bench_net_report.per_step(found, 8)
+    assert [c["bits"] for c in averaged] == [16, 16, 128, 32, 8]
+    # a method exchanging every step: all but the resend, as they are
+    assert [c["bits"] for c in bench_net_report.per_step(found, None)] == [128, 128, 128, 32, 8]
+
+
+def test_round_seconds_are_the_mean_over_whole_rounds():
+    times = [[1.0, 1.0, 4.0, 1.0, 2.0, 6.0], [2.0, 1.0, 5.0, 1.0, 1.0, 4.0]]
+    got = bench_net_worker.round_seconds(times, 3)
+    # slowest per step: 2, 1, 5, 1, 2, 6; the syncs are steps 3 and 6
+    assert got == {"rounds": 2, "step_s": 17 / 6, "sync_s": 5.5, "inner_s": 1.5}
+    with pytest.raises(ValueError, match="whole rounds"):
+        bench_net_worker.round_seconds(times, 4)
+
+
+def test_local_steps_methods_are_selectable_and_validated():
+    by_key = {m.key: m for m in bench_net_model.METHODS}
+    keys = [m.key for m in bench_net_model.select(["diloco-int8", "sparseloco"])]
+    assert keys == ["fp32", "bf16", "diloco-int8", "sparseloco"]
+    assert by_key["diloco-int8"].sync_every == 50 and by_key["sparseloco"].sync_every == 15
+    assert all(by_key[k].collective == "local_steps" for k in keys[2:])
+    assert bench_net.plan(["1gbit"], bench_net_model.select(["sparseloco"]), True)["rounds"] == 1
+    with pytest.raises(ValueError, match="sync_every"):
+        bench_net_model.BenchMethod("x", "x", "x", "local_steps", local=lambda a, h: None)
+    with pytest.raises(ValueError, match="local"):
+        bench_net_model.BenchMethod("x", "x", "x", "local_steps", sync_every=5)
+    with pytest.raises(ValueError, match="local"):
+        bench_net_model.BenchMethod("x", "x", "x", "allgather", local=lambda a, h: None)
+
+
+def _fake_local_run(step_1gbit: float) -> dict:
+    """``_fake_run`` plus DiLoCo at ``H = 10`` on 4 processes: a synchronisation all-reduces
+    1e9 bits (payload and scale) and every step an 8-bit flag: per step 1.5e9 / 10 + 12 bits
+    on the wire.  Its unlimited mean step is 0.6 s, so the prediction at 1gbit is 0.6 - 0.06 +
+    0.6 = 1.14 s (1e9 / 10 bits all-reduced per step: 6e8 bits on the shared link, 0.06 s at
+    the loopback's own 1e10 bit/s and 0.6 s at 1 Gbit/s)."""
+    res = _fake_run()
+    h, sync, flag = 10, 1.5e9, 12.0
+    hlo = [
+        {"collective": "allreduce", "bits": 1e9, "conditional": True},
+        {"collective": "allreduce", "bits": 8, "conditional": False},
+    ]
+    wire = sync / h + flag
+    rates = {
+        rate: {
+            "steps": 2 * h,
+            "rounds": 2,
+            "step_s": t,
+            "sync_s": 5 * t,
+            "inner_s": t / 2,
+            "tx_bytes": int(2 * h * 4 * wire / 8),
+        }
+        for rate, t in (("unlimited", 0.6), ("1gbit", step_1gbit))
+    }
+    res["runs"]["4"]["methods"]["diloco-int8"] = {
+        "sync_every": h,
+        "library_messages": [["scale", 32, False], ["payload", 1e9 - 32, False]],
+        "step_messages": [["flag", 8, False]],
+        "library_bits": 1e9 + 8,
+        "payload_bits": 1e9,
+        "library_wire_bits": wire,
+        "hlo_collectives": hlo,
+        "hlo_wire_bits": bench_net_worker.hlo_wire_bits(bench_net_report.per_step(hlo, h), 4),
+        "rates": rates,
+    }
+    res["methods"]["diloco-int8"] = {"label": "DiLoCo", "collective": "local_steps"}
+    res["config"]["rounds"] = 2
+    return res
+
+
+@pytest.mark.parametrize("step_1gbit", [1.14, 0.2])
+def test_local_steps_traffic_per_round_and_goals(step_1gbit):
+    res = _fake_local_run(step_1gbit)
+    report = bench_net_report.analyse(res)
+    flows = {f["method"]: f for f in report["traffic"]}
+    assert flows["diloco-int8"]["theory_bits"] == pytest.approx(1.5e9 / 10)  # a sync's / H
+    assert flows["diloco-int8"]["ratio"] == pytest.approx(1 + 12 / 1.5e8)
+    assert flows["diloco-int8"]["compiled_bits"] == pytest.approx(1.5e9 / 10 + 12)
+    rows = {(r["rate"], r["method"]): r for r in report["settings"]}
+    assert rows["1gbit", "diloco-int8"]["predicted_s"] == pytest.approx(1.14)
+    assert rows["1gbit", "diloco-int8"]["speedup_fp32"] == pytest.approx(5.32 / step_1gbit)
+    # the goals leave DiLoCo out, whether it beats dense fp32 by 27x or misses its
+    # prediction by 5x, or sends half its theory
+    for rate in ("unlimited", "1gbit"):
+        res["runs"]["4"]["methods"]["diloco-int8"]["rates"][rate]["tx_bytes"] //= 2
+    report = bench_net_report.analyse(res)
+    flows = {f["method"]: f for f in report["traffic"]}
+    assert flows["diloco-int8"]["ratio"] == pytest.approx(0.5, rel=1e-6)
+    goals = report["goals"]
+    assert "DiLoCo" not in goals[0]["detail"] and "QSGD" in goals[0]["detail"]
+    assert goals[1]["detail"].startswith("1 of 1 settings")
+    assert "DiLoCo" not in goals[2]["detail"]
+    assert [g["met"] for g in goals] == [True, True, True]
+    text = bench_net_report.markdown(res, report)
+    assert "| 4 | 1gbit | DiLoCo | 10 | 2 |" in text
+    assert f"| {1e3 * step_1gbit:,.0f} | {500 * step_1gbit:,.0f} |" in text  # inner step ms
+    assert "mean over 2 whole round(s)" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["diloco-int8", "sparseloco"])
+def test_local_steps_worker_trains_and_counts_a_round(key):
+    """The worker's local-steps step (one process, 2 devices): two rounds lower the loss;
+    the synchronisation's collectives lie in the conditional and, averaged over the round,
+    carry the library's bits plus the loss's all-reduce; a measured window is whole rounds."""
+    cfg = bench_net_model.LMConfig(vocab=64, width=32, layers=1, heads=2, length=8)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    sharding = jax.NamedSharding(mesh, jax.P("data"))
+    tokens = np.concatenate([bench_net_model.tokens(cfg, w, 0) for w in range(2)])
+    method = {m.key: m for m in bench_net_model.METHODS}[key]
+    params = bench_net_model.init_params(cfg)
+    trainer, info = bench_net_worker.build(
+        method, cfg, params, mesh, [jax.device_put(tokens, sharding)]
+    )
+    h = method.sync_every
+    assert info["sync_every"] == h and info["step_messages"] == [["flag", 8, False]]
+    assert info["payload_bits"] == sum(bits for _, bits, _ in info["library_messages"]) > 0
+    assert any(c["conditional"] for c in info["hlo_collectives"])
+    every = [c["dtypes"] for c in info["hlo_collectives"] if not c["conditional"]]
+    assert sorted(every) == [["f32"], ["s8"]]  # the loss's mean and the non-finite flag
+    loss_psum = 32 * 2 * (2 - 1) / 2  # the f32 loss all-reduced every step, n = 2
+    assert info["hlo_wire_bits"] == pytest.approx(info["library_wire_bits"] + loss_psum)
+    r = bench_net_worker.measure(trainer, 0, rank=0, idle_bytes=0, rounds=1)
+    assert trainer.count == 2 * h  # one round of warm-up, one timed
+    assert r["steps"] == h and r["rounds"] == 1 and len(r["times"][0]) == h
+    assert r["losses"][-1] < r["losses"][0]
+    assert r["sync_s"] > 0 and r["inner_s"] > 0

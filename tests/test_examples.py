@@ -55,7 +55,14 @@ def final_loss(out: str) -> float:
     return float(match.group(1))
 
 
-SCRIPTS = ("linen_lm.py", "nnx_mlp.py", "jit_data_parallel.py", "fsdp_linen.py", "fsdp_nnx.py")
+SCRIPTS = (
+    "linen_lm.py",
+    "nnx_mlp.py",
+    "jit_data_parallel.py",
+    "fsdp_linen.py",
+    "fsdp_nnx.py",
+    "diloco_linen.py",
+)
 #: The one script ``make test`` runs (the shortest path: a jitted data-parallel step); the
 #: others, and the multi-process launcher, run with ``make test-slow`` (8-11 s each here).
 FAST = ("jit_data_parallel.py",)

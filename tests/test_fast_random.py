@@ -1,6 +1,6 @@
 """The counter-based sampler behind ``bernoulli`` and natural compression.
 
-``compjax.compressor.random_bits`` expands one threefry draw (a 64-bit seed
+``compjax.draws.random_bits`` expands one threefry draw (a 64-bit seed
 ``(s0, s1)``) to 32 bits per entry, ``mix32(mix32(i + s0) ^ s1)``.
 What the theory needs, and how it is checked here:
 
@@ -28,7 +28,7 @@ import pytest
 from scipy import stats
 
 import compjax
-from compjax.compressor import bernoulli, counter_bits, mix32, random_bits
+from compjax.draws import bernoulli, counter_bits, mix32, random_bits
 
 ALPHA = 1e-6  # false-alarm probability of each statistical test
 Z = float(stats.norm.isf(ALPHA / 2))  # two-sided z bound, about 4.9

@@ -177,6 +177,9 @@ TRANSFORMS = {
     "onebit_adam": lambda: compjax.onebit_adam(0.1, "data", freeze_step=1),
     "scale_by_zero_one_adam": lambda: compjax.scale_by_zero_one_adam("data", 2, 1),
     "zero_one_adam": lambda: compjax.zero_one_adam(0.1, "data", 2, 1),
+    # Local rounds over per-worker params (a first step adapts the variance: every worker moves
+    # to the new global params; the local and synchronising steps are in test_zero_one_adam_local).
+    "zero_one_adam(local)": lambda: compjax.zero_one_adam(0.1, "data", 2, 1, local_step_clipper=2),
     # The 3 x 5 kernel is one 3 x 5 chunk, 4 of its 15 coefficients sent; the default sends all.
     "scale_by_demo": lambda: compjax.scale_by_demo("data", chunk=5, topk=4),
     "demo": lambda: compjax.demo(0.1, "data"),  # (update is called without params here)
@@ -201,7 +204,7 @@ TRANSFORMS = {
     "sparseloco": lambda: compjax.sparseloco(optax.sgd(0.1), 1, "data", k=2, chunk=4),
 }
 #: Transformations of per-worker params: update(grads, state, params).
-WITH_PARAMS = {"diloco(top_k)", "streaming_diloco(top_k)", "sparseloco"}
+WITH_PARAMS = {"diloco(top_k)", "streaming_diloco(top_k)", "sparseloco", "zero_one_adam(local)"}
 GRAD_SHAPES = {"w": (3, 5), "b": (1,)}
 
 

@@ -132,7 +132,12 @@ def test_two_processes_match_one(distributed, reference):
     assert sorted(distributed) == sorted(reference)
     for key in sorted(reference):
         assert distributed[key].dtype == reference[key].dtype, key
-        np.testing.assert_allclose(distributed[key], reference[key], rtol=1e-6, err_msg=key)
+        # Adam's step divides nearly cancelling moments by sqrt(v): the gloo sum's order can
+        # move such an update by a few ulps of the learning rate (3.7e-9 seen at lr 0.05).
+        atol = 1e-8 if key.startswith("fsdp_exact/") else 0.0
+        np.testing.assert_allclose(
+            distributed[key], reference[key], rtol=1e-6, atol=atol, err_msg=key
+        )
 
 
 DEAD_PEER_WORKER = Path(__file__).with_name("dead_peer_worker.py")

@@ -119,8 +119,10 @@ def test_every_transformation_is_checkpointed():
     exported = {getattr(compjax, n) for n in states}
     covered = {type(jax.eval_shape(make().init, W0)) for make in BUILDERS.values()}
     # DiLoCo trains per-worker params, checkpointed mid-round in test_diloco (Streaming
-    # DiLoCo's state is DiLoCo's with one outer state per fragment).
-    assert exported == covered | {compjax.DiLoCoState, compjax.StreamingDiLoCoState}
+    # DiLoCo's state is DiLoCo's with one outer state per fragment), and so do 0/1 Adam's
+    # local rounds, checkpointed mid-round in test_zero_one_adam_local.
+    local = {compjax.DiLoCoState, compjax.StreamingDiLoCoState, compjax.ZeroOneAdamLocalState}
+    assert exported == covered | local
 
 
 def test_checkpoint_manager_restores_the_latest_step(tmp_path):

@@ -116,8 +116,8 @@ def test_a_wrong_int_quant_omega_is_caught(broken, factor):
 def test_a_biased_sampler_is_caught(broken):
     original = compjax.compressors.terngrad.ternarize
 
-    def biased(key, x, scale):  # keeps entry k with probability 0.9 |x_k| / scale
-        return original(key, x, scale / 0.9)
+    def biased(key, x, scale, offset=0):  # keeps entry k with probability 0.9 |x_k| / scale
+        return original(key, x, scale / 0.9, offset)
 
     broken.setattr(compjax.compressors.terngrad, "ternarize", biased)
     results, _ = run_all(fast=True, modules=("terngrad",))

@@ -96,6 +96,18 @@ def check_fsdp(ns: dict) -> None:
     assert 0 < report.gradient_bits < report.dense_bits / 4  # 4-bit codes in 8-worker fields
 
 
+def check_fsdp_hpz(ns: dict) -> None:
+    P = ns["jax"].P
+    w = ns["params"]["w"]
+    assert w.sharding.spec == P(("local", "hosts"), None)
+    assert w.addressable_shards[0].data.shape == (8, 16)  # 1/8 of the kernel per device
+    assert not bool(jax.numpy.allclose(w, 0.1))  # it stepped
+    report = ns["report"]
+    assert report.slow_gather_bits == 128 * 8 + 32  # to the other host: 128 codes and a step
+    assert report.fast_gather_bits == 3 * 256 * 32  # the decoded secondary shard, 3 times
+    assert 0 < report.slow_gradient_bits < report.fast_gradient_bits / 10
+
+
 def check_scaling(ns: dict) -> None:
     report, d = ns["report"], 512 * 256 + 256
     # ring traffic on the fast axis (4 chips): 3/4 of the reduce-scatter's float32 input,
@@ -118,6 +130,15 @@ def check_local_steps_shard_map(ns: dict) -> None:
     assert bool(jax.numpy.allclose(local, theta[None], rtol=1e-6, atol=1e-7))
 
 
+def check_zero_one_adam_local(ns: dict) -> None:
+    assert ns["kinds"][-1] == "compressed" and ns["kinds"].count("local") == 10
+    # the last step ended a round: every worker restarted from theta (to one rounding)
+    local, theta = jax.device_get(ns["local"]["w"]), ns["theta"]["w"]
+    assert bool(jax.numpy.allclose(local, theta[None], rtol=1e-6, atol=1e-7))
+    assert float(ns["loss"].mean()) < 0.3  # it trained (the loss starts near 0.34)
+    assert ns["mean_bits_per_step"](ns["report"], ns["kinds"]) < ns["report"].dense_bits
+
+
 CHECKS = {
     ("README.md", "Quickstart"): check_quickstart,
     ("docs/distributed.md", "A complete shard_map training step"): check_shard_map_step,
@@ -131,7 +152,9 @@ CHECKS = {
     ("docs/scaling.md", "Scaling and exchanges"): check_scaling,
     ("docs/local_steps.md", "Example: four workers under `vmap`"): check_local_steps_vmap,
     ("docs/local_steps.md", "Under `shard_map`"): check_local_steps_shard_map,
+    ("docs/local_steps.md", "0/1 Adam's local rounds"): check_zero_one_adam_local,
     ("docs/fsdp.md", "Usage"): check_fsdp,
+    ("docs/fsdp.md", "Two-level sharding on a (hosts, local) mesh (hpZ)"): check_fsdp_hpz,
 }
 
 RUNNABLE = [p for p in pages() if python_blocks(p)]

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor, bernoulli, dtype_max, stochastic_round
+from compjax.compressor import Compressor, dtype_max
+from compjax.draws import bernoulli, stochastic_round
 from compjax.numerics import ldexp, unit_scale
 
 

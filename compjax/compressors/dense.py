@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax.compressor import Compressor, dtype_max, to_dtype
+from compjax.compressors.elementwise import Elementwise
 from compjax.packing import pack, packed_bits, unpack
 
 _CAST_DTYPES = {
@@ -88,7 +89,7 @@ class Identity(Compressor):
 
 
 @dataclasses.dataclass(frozen=True)
-class Cast(Compressor):
+class Cast(Elementwise, Compressor):
     """Round to a narrower float type (round to nearest even) for transport.
 
     Values beyond the wire type's range saturate at its largest finite value
@@ -131,11 +132,17 @@ class Cast(Compressor):
         return self.dtype == np.dtype(jnp.float4_e2m1fn)
 
     def encode(self, key, flat, dtype):
-        if self.packed:
-            return {"codes": pack(_e2m1_codes(flat.astype(jnp.float32)), 4)}, {}
-        return {"values": to_dtype(flat, self.dtype)}, {}
+        return self.encode_span(key, flat, 0, flat.shape[0], {}, dtype), {}
 
-    def decode(self, wire, side, n, dtype):
+    def units(self, d, dtype):
+        return {"codes": 2} if self.packed else {"values": 1}
+
+    def encode_span(self, key, flat, offset, d, stats, dtype):
+        if self.packed:
+            return {"codes": pack(_e2m1_codes(flat.astype(jnp.float32)), 4)}
+        return {"values": to_dtype(flat, self.dtype)}
+
+    def decode_span(self, wire, side, offset, n, d, dtype):
         if self.packed:
             return _e2m1_values(unpack(wire["codes"], 4, n))
         return wire["values"].astype(jnp.float32)

@@ -16,8 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, dtype_max, safe_divide, safe_norm
+from compjax.compressor import Compressor, dtype_max, safe_divide, safe_norm
+from compjax.compressors.elementwise import Elementwise
+from compjax.compressors.qsgd import norm_of_pieces, saturated_norm
+from compjax.draws import bernoulli
 from compjax.numerics import divide, round_to
+from compjax.pieces import Pieces
 
 _MAX_LEVELS = 64
 
@@ -95,6 +99,22 @@ def p_norm(flat: jax.Array, p: float) -> jax.Array:
     return m * total
 
 
+def p_norm_of_pieces(pieces: Pieces, p: float) -> jax.Array:
+    """:func:`p_norm` of the flat array in ``pieces`` (non-empty), reduced piece by piece,
+    saturated where it overflows (:func:`compjax.compressors.qsgd.saturated_norm`)."""
+    if p == 2.0:
+        return norm_of_pieces(pieces)
+    m = pieces.reduce(jnp.abs, "max")
+    if math.isinf(p):
+        return m
+    safe_m = jnp.where(m > 0, m, 1.0)
+    if p == 1.0:
+        total = pieces.reduce(lambda a: jnp.abs(a / safe_m), "sum")
+    else:
+        total = pieces.reduce(lambda a: jnp.abs(a / safe_m) ** p, "sum") ** (1.0 / p)
+    return saturated_norm(m * total, m)
+
+
 def _level_value(code: jax.Array, levels: int) -> jax.Array:
     """Code ``j`` to its level: ``0`` for ``j = 0``, ``2^(j - s)`` for ``1 <= j <= s``."""
     value = jnp.ldexp(jnp.float32(1.0), code.astype(jnp.int32) - levels)
@@ -102,7 +122,7 @@ def _level_value(code: jax.Array, levels: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class NaturalDithering(packing.SignMagnitude, Compressor):
+class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
     """Natural dithering with ``levels`` nonzero levels.  See :func:`natural_dithering`."""
 
     levels: int = 8
@@ -114,13 +134,23 @@ class NaturalDithering(packing.SignMagnitude, Compressor):
         return round_to(norm * _level_value(code, self.levels), dtype)
 
     def encode(self, key, flat, dtype):
-        s = self.levels
         # A norm of finite entries beyond the float32 range saturates at its largest value
         # (finite; still unbiased: it brackets every entry); an Inf/NaN entry keeps it
         # non-finite, so the decode is too.
         norm = p_norm(flat, self.p)
         overflow = jnp.isinf(norm) & jnp.isfinite(jnp.max(jnp.abs(flat), initial=0.0))
-        norm = jnp.where(overflow, jnp.finfo(jnp.float32).max, norm)
+        stats = {"norm": jnp.where(overflow, jnp.finfo(jnp.float32).max, norm).reshape(1)}
+        return {**stats, **self.encode_span(key, flat, 0, flat.shape[0], stats, dtype)}, {}
+
+    def units(self, d, dtype):
+        return {"codes": packing.codes_per_element(self.width)}
+
+    def statistics(self, key, pieces, dtype):
+        return {"norm": p_norm_of_pieces(pieces, self.p).reshape(1)}
+
+    def encode_span(self, key, flat, offset, d, stats, dtype):
+        s = self.levels
+        norm = stats["norm"][0]
         mag = jnp.abs(flat)
         y = jnp.minimum(jnp.abs(safe_divide(flat, norm)), 1.0)
         # y in [2^e, 2^(e+1)): frexp gives y = f 2^k with f in [1/2, 1), so e = k - 1.
@@ -133,12 +163,12 @@ class NaturalDithering(packing.SignMagnitude, Compressor):
         low = jnp.clip(low, 0, s)
         high = jnp.minimum(low + 1, s)
         v_low, v_high = self.grid(norm, low, dtype), self.grid(norm, high, dtype)
-        up = bernoulli(key, divide(mag - v_low, v_high - v_low))
+        up = bernoulli(key, divide(mag - v_low, v_high - v_low), offset)
         level = jnp.where(up, high, low).astype(jnp.uint32)
         sign = (flat < 0).astype(jnp.uint32) << (self.width - 1)
-        return {"norm": norm.reshape(1), "codes": packing.pack(level | sign, self.width)}, {}
+        return {"codes": packing.pack(level | sign, self.width)}
 
-    def decode(self, wire, side, n, dtype):
+    def decode_span(self, wire, side, offset, n, d, dtype):
         codes = packing.unpack(wire["codes"], self.width, n)
         level = _level_value(codes & ((1 << self.magnitude_bits) - 1), self.levels)
         negative = (codes >> (self.width - 1)) == 1

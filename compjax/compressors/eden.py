@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from compjax import hadamard, packing
-from compjax.compressor import Compressor, raw_key, safe_divide, stochastic_round
+from compjax.compressor import Compressor, raw_key, safe_divide
+from compjax.draws import stochastic_round
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 

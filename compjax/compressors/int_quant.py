@@ -82,8 +82,10 @@ import jax
 import jax.numpy as jnp
 
 from compjax import hadamard
-from compjax.compressor import Compressor, bernoulli, dtype_max, raw_key, stochastic_round
+from compjax.compressor import Compressor, dtype_max, raw_key
+from compjax.draws import bernoulli, counts_entries, stochastic_round
 from compjax.numerics import divide
+from compjax.pieces import Pieces, decode_spans, encode_spans, wire_slice
 
 #: Bits of the word that carries the packed fields.
 WORD = 32
@@ -173,10 +175,16 @@ class IntQuant(Compressor):
         key = jax.random.fold_in(raw_key(key), _ROTATION_STREAM)
         return hadamard.random_signs(key, n)
 
-    def rotate_in(self, key, flat: jax.Array) -> jax.Array:
-        """``H D x`` padded to ``d'``, signs from the shared ``key`` (``x`` if not rotating)."""
+    def rotate_in(self, key, flat: jax.Array | Pieces) -> jax.Array | Pieces:
+        """``H D x`` padded to ``d'``, signs from the shared ``key`` (``x`` if not rotating).
+
+        ``flat`` may be a flat array in :class:`compjax.pieces.Pieces`: the
+        rotation joins it; without one it stays in pieces.
+        """
         if not self.rotate:
             return flat
+        if isinstance(flat, Pieces):
+            flat = flat.join()
         d = flat.shape[0]
         n = hadamard.next_power_of_two(d) if d else 0
         return hadamard.rotate(self._signs(key, n), jnp.pad(flat.astype(jnp.float32), (0, n - d)))
@@ -187,24 +195,55 @@ class IntQuant(Compressor):
             return y
         return hadamard.unrotate(self._signs(key, y.shape[0]), y)[:d]
 
-    def scale_of(self, flat: jax.Array) -> jax.Array:
-        """``max|x|`` in float32 (NaN or Inf propagate: the decode is then non-finite)."""
+    def scale_of(self, flat: jax.Array | Pieces) -> jax.Array:
+        """``max|x|`` in float32 (NaN or Inf propagate: the decode is then non-finite).
+
+        ``flat`` may be a flat array in pieces (reduced piece by piece, the same maximum).
+        """
+        if isinstance(flat, Pieces):
+            return flat.reduce(lambda a: jnp.abs(a.astype(jnp.float32)), "max")
         return jnp.max(jnp.abs(flat.astype(jnp.float32)), initial=0.0)
 
-    def codes(self, key, flat: jax.Array, scale: jax.Array) -> jax.Array:
-        """Unbiased integer codes ``q`` in ``[-s, s]`` (int32) for ``scale >= max|x|``."""
+    def codes(self, key, flat: jax.Array, scale: jax.Array, offset: int = 0) -> jax.Array:
+        """Unbiased integer codes ``q`` in ``[-s, s]`` (int32) for ``scale >= max|x|``.
+
+        ``offset``: ``flat`` is entries ``offset ..`` of a larger array, whose
+        random draws it takes (:func:`compjax.draws.random_bits`).
+        """
         s = self.levels
         y = divide(flat.astype(jnp.float32), scale) * s  # exact power-of-two scaling first
         low = jnp.floor(y)
-        up = bernoulli(key, y - low)
+        up = bernoulli(key, y - low, offset)
         q = jnp.clip(low + up.astype(jnp.float32), -s, s)
         return jnp.where(jnp.isfinite(q), q, 0.0).astype(jnp.int32)
 
-    def encode_words(self, key, flat: jax.Array, scale: jax.Array, summands: int) -> jax.Array:
-        """Codes packed into uint32 words with fields wide enough for ``summands`` messages."""
+    def encode_words(
+        self, key, flat: jax.Array | Pieces, scale: jax.Array, summands: int
+    ) -> jax.Array:
+        """Codes packed into uint32 words with fields wide enough for ``summands`` messages.
+
+        ``flat`` may be a flat array in :class:`compjax.pieces.Pieces`: its
+        words are then packed span by span (:func:`compjax.pieces.spans`,
+        aligned to whole words), with the codes' random draws taken at their
+        entries' offsets, so the words are those of the joined array, for a
+        threefry key (any other key joins the pieces first).
+        """
+        if isinstance(flat, Pieces):
+            if not counts_entries(key, flat.size):
+                return self.encode_words(key, flat.join(), scale, summands)
+            per_word = self.fields_per_word(summands)
+            return encode_spans(
+                flat,
+                per_word,
+                lambda x, o: {"words": self._words(self.codes(key, x, scale, o), summands)},
+            )["words"]
+        return self._words(self.codes(key, flat, scale), summands)
+
+    def _words(self, q: jax.Array, summands: int) -> jax.Array:
+        """Integer codes ``q`` offset to ``[0, 2s]`` and packed ``fields_per_word`` to a word."""
         width = self.field_width(summands)
         per_word = self.fields_per_word(summands)
-        u = (self.codes(key, flat, scale) + self.levels).astype(jnp.uint32)
+        u = (q + self.levels).astype(jnp.uint32)
         n = u.shape[0]
         padded = jnp.pad(u, (0, -n % per_word)).reshape(-1, per_word)
         shifts = jnp.uint32(width) * jnp.arange(per_word, dtype=jnp.uint32)
@@ -248,6 +287,29 @@ class IntQuant(Compressor):
             y = self.rotate_out(side["rotation"], y, n)
         y = jnp.where(jnp.isfinite(wire["scale"]), y, jnp.nan)
         return stochastic_round(side["key"], y, dtype)
+
+    # -- in pieces (compjax.pieces): without a rotation, its own words span by span ----------
+    def encode_pieces(self, key, pieces, dtype):
+        if self.rotate or not counts_entries(key, pieces.size):
+            return super().encode_pieces(key, pieces, dtype)
+        code_key, round_key = jax.random.split(key)
+        scale = self.scale_of(pieces)
+        words = self.encode_words(code_key, pieces, scale, 1)
+        return {"scale": scale, "words": words}, {"key": raw_key(round_key)}
+
+    def decode_pieces(self, wire, side, sizes, dtype):
+        if self.rotate or not counts_entries(side["key"], sum(sizes)):
+            return super().decode_pieces(wire, side, sizes, dtype)
+        scale = wire["scale"]
+        per_word = self.fields_per_word(1)
+
+        def decode(span):
+            words = wire_slice(wire["words"], span, per_word)
+            y = self.decode_words(words, scale, 1, 1, span.length)
+            y = jnp.where(jnp.isfinite(scale), y, jnp.nan)
+            return stochastic_round(side["key"], y, dtype, span.start)
+
+        return decode_spans(sizes, per_word, decode)
 
     def unbiased_range(self, d, dtype=jnp.float32):
         """Every finite input; with ``rotate``, ``max / d'`` (a sufficient bound).

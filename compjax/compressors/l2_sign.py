@@ -17,8 +17,9 @@ import jax.numpy as jnp
 
 from compjax import packing
 from compjax.compressor import Compressor
-from compjax.compressors.sign import sign_bits, sign_values
+from compjax.compressors.sign import SignCodes
 from compjax.numerics import ldexp, unit_scale
+from compjax.pieces import Pieces
 
 
 def rms(flat: jax.Array) -> jax.Array:
@@ -35,20 +36,27 @@ def rms(flat: jax.Array) -> jax.Array:
     return jnp.minimum(ldexp(unit, e), top)
 
 
+def rms_of_pieces(pieces: Pieces) -> jax.Array:
+    """:func:`rms` of the flat array in ``pieces`` (non-empty), reduced piece by piece."""
+    top = pieces.reduce(jnp.abs, "max")
+    e, _ = unit_scale(top)
+    total = pieces.reduce(lambda a: jnp.square(ldexp(a, -e)), "sum")
+    unit = jnp.sqrt(total) / math.sqrt(pieces.size)
+    return jnp.minimum(ldexp(unit, e), top)
+
+
 @dataclasses.dataclass(frozen=True)
-class L2ScaledSign(Compressor):
+class L2ScaledSign(SignCodes, Compressor):
     """``C(x) = (||x||_2 / sqrt(d)) sign(x)``.  See :func:`l2_scaled_sign`."""
 
     deterministic: ClassVar[bool] = True
+    scaled: ClassVar[bool] = True
 
-    def encode(self, key, flat, dtype):
-        signs = packing.pack(sign_bits(flat), 1)
-        if not flat.size:
-            return {"scale": jnp.float32(0.0), "signs": signs}, {}
-        return {"scale": rms(flat), "signs": signs}, {}
+    def scale_of(self, flat):
+        return rms(flat) if flat.size else jnp.float32(0.0)
 
-    def decode(self, wire, side, n, dtype):
-        return wire["scale"] * sign_values(packing.unpack(wire["signs"], 1, n))
+    def scale_of_pieces(self, pieces):
+        return rms_of_pieces(pieces)
 
     def bits(self, shape, dtype=jnp.float32):
         return packing.packed_bits(math.prod(shape), 1) + 32

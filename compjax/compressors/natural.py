@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import packing
-from compjax.compressor import Compressor, dtype_max, random_bits
+from compjax.compressor import Compressor, dtype_max
+from compjax.compressors.elementwise import Elementwise
+from compjax.draws import random_bits
 
 _MANTISSA_BITS = 23
 _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
@@ -41,26 +43,32 @@ def round_up_threshold(exponent: jax.Array, mantissa: jax.Array, dtype) -> jax.A
 
 
 @dataclasses.dataclass(frozen=True)
-class Natural(Compressor):
+class Natural(Elementwise, Compressor):
     """Natural compression of float32 entries.  See :func:`natural`."""
 
     unbiased: ClassVar[bool] = True
 
+    def units(self, d, dtype):
+        return {"exponents": 1, "signs": 8}
+
     def encode(self, key, flat, dtype):
+        return self.encode_span(key, flat, 0, flat.shape[0], {}, dtype), {}
+
+    def encode_span(self, key, flat, offset, d, stats, dtype):
         word = jax.lax.bitcast_convert_type(flat, jnp.uint32)
         exponent = (word >> _MANTISSA_BITS) & 0xFF
         mantissa = word & _MANTISSA_MASK
         # Round up with probability threshold / 2**23: compare with 23 random bits.
-        draw = random_bits(key, flat.shape) >> (32 - _MANTISSA_BITS)
+        draw = random_bits(key, flat.shape, offset) >> (32 - _MANTISSA_BITS)
         up = (draw < round_up_threshold(exponent, mantissa, dtype)).astype(jnp.uint32)
         finite = exponent < 255
         rounded = jnp.where(finite, jnp.minimum(exponent + up, _MAX_FINITE_EXPONENT), exponent)
         return {
             "exponents": rounded.astype(jnp.uint8),
             "signs": packing.pack(word >> 31, 1),
-        }, {}
+        }
 
-    def decode(self, wire, side, n, dtype):
+    def decode_span(self, wire, side, offset, n, d, dtype):
         sign = packing.unpack(wire["signs"], 1, n) << 31
         word = sign | (wire["exponents"].astype(jnp.uint32) << _MANTISSA_BITS)
         return jax.lax.bitcast_convert_type(word, jnp.float32)

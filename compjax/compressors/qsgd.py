@@ -16,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, dtype_max, safe_norm
+from compjax.compressor import Compressor, dtype_max, safe_norm
+from compjax.compressors.elementwise import Elementwise
+from compjax.draws import bernoulli
 from compjax.numerics import ldexp, magnitude, round_to, unit_scale
+from compjax.pieces import Pieces
 
 
 def qsgd_omega(d: int, levels: int) -> float:
@@ -45,6 +48,22 @@ def qsgd_omega(d: int, levels: int) -> float:
     return d / (4.0 * levels * levels)
 
 
+def saturated_norm(norm: jax.Array, top: jax.Array) -> jax.Array:
+    """``norm``, or float32's largest value where it overflowed although ``max|x| = top`` is
+    finite (still unbiased: it brackets every entry); an Inf/NaN entry keeps it non-finite."""
+    overflow = jnp.isinf(norm) & jnp.isfinite(top)
+    return jnp.where(overflow, np.finfo(np.float32).max, norm)
+
+
+def norm_of_pieces(pieces: Pieces) -> jax.Array:
+    """:func:`compjax.compressor.safe_norm` of the flat array in ``pieces``, saturated as
+    :func:`saturated_norm`, reduced piece by piece."""
+    top = pieces.reduce(jnp.abs, "max")
+    e, _ = unit_scale(top)
+    norm = ldexp(jnp.sqrt(pieces.reduce(lambda a: jnp.square(ldexp(a, -e)), "sum")), e)
+    return saturated_norm(norm, top)
+
+
 def _with_sign(value: jax.Array, sign: jax.Array) -> jax.Array:
     """``value`` with its float32 sign bit xor-ed with ``sign`` (``0`` or ``1 << 31``)."""
     bits = jax.lax.bitcast_convert_type(value, jnp.uint32) ^ sign
@@ -52,7 +71,7 @@ def _with_sign(value: jax.Array, sign: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class QSGD(packing.SignMagnitude, Compressor):
+class QSGD(packing.SignMagnitude, Elementwise, Compressor):
     """QSGD with ``levels`` levels, one norm per bucket.  See :func:`qsgd`."""
 
     levels: int = 4
@@ -106,29 +125,53 @@ class QSGD(packing.SignMagnitude, Compressor):
         p = (y - ldexp(v_lo, -e)) / jnp.where(gap, ldexp(v_hi - v_lo, -e), 1.0)
         return lo, hi, jnp.where(gap, p, 0.0)
 
-    def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype) -> jax.Array:
+    def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype, offset: int = 0):
         """Levels (int32) for magnitudes ``mag <= norm``, unbiased on the decoded grid
-        (:meth:`bracket`)."""
+        (:meth:`bracket`); ``offset`` as in :func:`compjax.draws.random_bits`."""
         lo, hi, p = self.bracket(mag, norm, dtype)
-        return jnp.where(bernoulli(key, p), hi, lo)
+        return jnp.where(bernoulli(key, p, offset), hi, lo)
+
+    @staticmethod
+    def _rows(x: jax.Array, size: int) -> jax.Array:
+        """``x`` zero-padded to whole rows of ``size`` entries: ``(rows, size)``."""
+        rows = -(-x.shape[0] // size)
+        return jnp.pad(x, (0, rows * size - x.shape[0])).reshape(rows, size)
+
+    def _codes(self, key, xb, norms, offset, n, dtype) -> dict:
+        """Packed codes of the first ``n`` entries of the rows ``xb`` (entries ``offset ..``)."""
+        level = self.quantize(key, magnitude(xb), norms[:, None], dtype, offset)
+        sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
+        codes = (level.astype(jnp.uint32) | sign).reshape(-1)[:n]
+        return {"codes": packing.pack(codes, self.width)}
 
     def encode(self, key, flat, dtype):
         d = flat.shape[0]
-        size, count = self._buckets(d)
-        xb = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
-        # A norm of finite entries beyond the float32 range saturates at its largest value
-        # (finite, still unbiased: it brackets every entry); an Inf/NaN keeps it non-finite.
-        norms = safe_norm(xb, axis=1)
+        xb = self._rows(flat, self._buckets(d)[0])
+        # A norm of finite entries beyond the float32 range saturates at its largest value.
         # (max|x|: the reduction safe_norm already makes, shared by XLA, no second pass.)
-        overflow = jnp.isinf(norms) & jnp.isfinite(jnp.max(jnp.abs(xb), axis=1, initial=0.0))
-        norms = jnp.where(overflow, np.finfo(np.float32).max, norms)
-        level = self.quantize(key, magnitude(xb), norms[:, None], dtype).astype(jnp.uint32)
-        sign = (xb < 0).astype(jnp.uint32) << (self.width - 1)
-        codes = (level | sign).reshape(-1)[:d]
-        return {"norms": norms, "codes": packing.pack(codes, self.width)}, {}
+        norms = saturated_norm(safe_norm(xb, axis=1), jnp.max(jnp.abs(xb), axis=1, initial=0.0))
+        return {"norms": norms, **self._codes(key, xb, norms, 0, d, dtype)}, {}
 
-    def decode(self, wire, side, n, dtype):
-        size, count = self._buckets(n)
+    # -- in pieces (compjax.compressors.elementwise): one norm, or the rows' norms per span --
+    def units(self, d, dtype):
+        size, count = self._buckets(d)
+        codes = packing.codes_per_element(self.width)
+        return {"norms": size, "codes": codes} if count > 1 else {"codes": codes}
+
+    def statistics(self, key, pieces, dtype):
+        if self._buckets(pieces.size)[1] > 1:
+            return {}  # norms per row, computed with each span's rows
+        return {"norms": norm_of_pieces(pieces).reshape(1)}
+
+    def encode_span(self, key, x, offset, d, stats, dtype):
+        if "norms" in stats:
+            return self._codes(key, x.reshape(1, -1), stats["norms"], offset, x.shape[0], dtype)
+        xb = self._rows(x, self._buckets(d)[0])
+        norms = saturated_norm(safe_norm(xb, axis=1), jnp.max(jnp.abs(xb), axis=1, initial=0.0))
+        return {"norms": norms, **self._codes(key, xb, norms, offset, x.shape[0], dtype)}
+
+    def decode_span(self, wire, side, offset, n, d, dtype):
+        size, count = self._buckets(d)
         codes = packing.unpack(wire["codes"], self.width, n)
         level = codes & ((1 << self.magnitude_bits) - 1)
         # The sign bit moved to float32's sign: exactly ``where(negative, -value, value)``
@@ -136,7 +179,7 @@ class QSGD(packing.SignMagnitude, Compressor):
         sign = (codes >> (self.width - 1)) << 31
         if count == 1:  # one norm: a scalar keeps the loop flat
             return _with_sign(self.grid(wire["norms"][0], level, jnp.float32), sign)
-        level = jnp.pad(level, (0, count * size - n)).reshape(count, size)
+        level = self._rows(level, size)
         value = self.grid(wire["norms"][:, None], level, jnp.float32).reshape(-1)[:n]
         return _with_sign(value, sign)
 

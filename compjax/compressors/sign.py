@@ -18,7 +18,9 @@ import jax.numpy as jnp
 
 from compjax import packing
 from compjax.compressor import Compressor
+from compjax.compressors.elementwise import Elementwise
 from compjax.numerics import ldexp, unit_scale
+from compjax.pieces import Pieces
 
 
 def sign_bits(x):
@@ -49,40 +51,76 @@ def mean_abs(flat: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.isfinite(total), lambda: total / flat.size, scaled)
 
 
+def mean_abs_of_pieces(pieces: Pieces) -> jax.Array:
+    """:func:`mean_abs` of the flat array in ``pieces`` (non-empty), reduced piece by piece.
+
+    ``sum |x| / d`` where that sum is finite.  Otherwise the sum of
+    ``|x| 2**-64``, taken in the same pass (an exact scaling that no float32
+    sum of fewer than ``2**40`` entries overflows, whose only loss is entries
+    below ``2**-62``, nothing beside the entry that made the sum overflow),
+    times ``2**64 / d``, capped at ``max|x|``.  No ``lax.cond``: its branch
+    would take the pieces as operands.
+    """
+    total = pieces.reduce(jnp.abs, "sum")
+
+    def scaled():
+        top = pieces.reduce(jnp.abs, "max")
+        e, _ = unit_scale(top)
+        mean = pieces.reduce(lambda a: jnp.abs(ldexp(a, -e)), "sum") / pieces.size
+        return jnp.minimum(ldexp(mean, e), top)
+
+    return jax.lax.cond(jnp.isfinite(total), lambda: total / pieces.size, scaled)
+
+
 def sign_values(bits):
     """Bits back to ``+1.0`` / ``-1.0``."""
     return 1.0 - 2.0 * bits.astype(jnp.float32)
 
 
+class SignCodes(Elementwise):
+    """Signs packed 8 per byte, times a scale where the compressor has one (``stats``)."""
+
+    def units(self, d, dtype):
+        return {"signs": 8}
+
+    def encode_span(self, key, x, offset, d, stats, dtype):
+        return {"signs": packing.pack(sign_bits(x), 1)}
+
+    def decode_span(self, wire, side, offset, n, d, dtype):
+        values = sign_values(packing.unpack(wire["signs"], 1, n))
+        return wire["scale"] * values if "scale" in wire else values
+
+    def encode(self, key, flat, dtype):
+        stats = {"scale": self.scale_of(flat)} if self.scaled else {}
+        return {**stats, **self.encode_span(key, flat, 0, flat.shape[0], stats, dtype)}, {}
+
+    def statistics(self, key, pieces, dtype):
+        return {"scale": self.scale_of_pieces(pieces)} if self.scaled else {}
+
+
 @dataclasses.dataclass(frozen=True)
-class Sign(Compressor):
+class Sign(SignCodes, Compressor):
     """``C(x) = sign(x)`` in one bit per entry.  See :func:`sign`."""
 
     deterministic: ClassVar[bool] = True
-
-    def encode(self, key, flat, dtype):
-        return {"signs": packing.pack(sign_bits(flat), 1)}, {}
-
-    def decode(self, wire, side, n, dtype):
-        return sign_values(packing.unpack(wire["signs"], 1, n))
+    scaled: ClassVar[bool] = False
 
     def bits(self, shape, dtype=jnp.float32):
         return packing.packed_bits(math.prod(shape), 1)
 
 
 @dataclasses.dataclass(frozen=True)
-class ScaledSign(Compressor):
+class ScaledSign(SignCodes, Compressor):
     """``C(x) = (||x||_1 / d) sign(x)``.  See :func:`scaled_sign`."""
 
     deterministic: ClassVar[bool] = True
+    scaled: ClassVar[bool] = True
 
-    def encode(self, key, flat, dtype):
-        if not flat.size:
-            return {"scale": jnp.float32(0.0), "signs": packing.pack(sign_bits(flat), 1)}, {}
-        return {"scale": mean_abs(flat), "signs": packing.pack(sign_bits(flat), 1)}, {}
+    def scale_of(self, flat):
+        return mean_abs(flat) if flat.size else jnp.float32(0.0)
 
-    def decode(self, wire, side, n, dtype):
-        return wire["scale"] * sign_values(packing.unpack(wire["signs"], 1, n))
+    def scale_of_pieces(self, pieces):
+        return mean_abs_of_pieces(pieces)
 
     def delta(self, d):
         return 1.0 / d if d > 0 else 1.0

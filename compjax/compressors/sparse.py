@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor, bernoulli, dtype_max, raw_key
+from compjax.compressor import Compressor, dtype_max, raw_key
+from compjax.draws import bernoulli
 from compjax.numerics import divide, round_to
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)

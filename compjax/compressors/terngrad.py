@@ -14,8 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, bernoulli, dtype_max
+from compjax.compressor import Compressor, dtype_max
+from compjax.compressors.elementwise import Elementwise
+from compjax.draws import bernoulli
 from compjax.numerics import divide, ldexp, magnitude, round_up_to, unit_scale
+from compjax.pieces import Pieces
 
 # Ternary codes, 2 bits each, 4 per byte.
 ZERO, PLUS, MINUS = 0, 1, 2
@@ -39,15 +42,30 @@ def clip_to_std(x: jax.Array, c: float) -> jax.Array:
     return jnp.where(spread, jnp.clip(x, -c * sigma, c * sigma), x)
 
 
-def ternarize(key, x: jax.Array, scale: jax.Array) -> jax.Array:
+def clip_bound_of_pieces(pieces: Pieces, c: float) -> tuple[jax.Array, jax.Array]:
+    """``(spread, c sigma)`` of :func:`clip_to_std` for the flat array in ``pieces`` (non-empty).
+
+    The same scaled two-pass standard deviation, reduced piece by piece.
+    """
+    e, _ = unit_scale(pieces.reduce(jnp.abs, "max"))
+    d = pieces.size
+    mean = pieces.reduce(lambda a: ldexp(a, -e), "sum") / d
+    var = pieces.reduce(lambda a: jnp.square(ldexp(a, -e) - mean), "sum") / d
+    sigma = ldexp(jnp.sqrt(var), e)
+    spread = pieces.reduce(lambda a: a, "max") > -pieces.reduce(lambda a: -a, "max")
+    return spread, c * sigma
+
+
+def ternarize(key, x: jax.Array, scale: jax.Array, offset: int = 0) -> jax.Array:
     """Ternary codes of ``x`` for the scaler ``scale >= max|x|``.
 
     Entry ``i`` is ``sign(x_i)`` with probability ``|x_i| / scale`` (exactly 1
     at ``|x_i| = scale``) and 0 otherwise, so that ``scale * value`` is an
-    unbiased estimate of ``x``.
+    unbiased estimate of ``x``.  ``offset``: ``x`` is entries ``offset ..`` of
+    a larger array, whose random draws it takes (:func:`compjax.draws.random_bits`).
     """
     mag = magnitude(x)
-    keep = bernoulli(key, divide(mag, scale)) | ((mag >= scale) & (scale > 0))
+    keep = bernoulli(key, divide(mag, scale), offset) | ((mag >= scale) & (scale > 0))
     return jnp.where(keep, jnp.where(x < 0, MINUS, PLUS), ZERO).astype(jnp.uint32)
 
 
@@ -67,7 +85,7 @@ def terngrad_omega(d: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class TernGrad(Compressor):
+class TernGrad(Elementwise, Compressor):
     """TernGrad with an optional ``clip * std`` clipping.  See :func:`terngrad`."""
 
     clip: float | None = None
@@ -80,11 +98,29 @@ class TernGrad(Compressor):
         if self.clip is not None:
             flat = clip_to_std(flat, self.clip)
         # On the output dtype's grid (rounded up), so that the decoded +-scale is exact.
-        scale = round_up_to(jnp.max(jnp.abs(flat), initial=0.0), dtype)
-        codes = ternarize(key, flat, scale)
-        return {"scale": scale, "codes": packing.pack(codes, 2)}, {}
+        stats = {"scale": round_up_to(jnp.max(jnp.abs(flat), initial=0.0), dtype)}
+        # (clipped already: no clip bound for encode_span)
+        return {**stats, **self.encode_span(key, flat, 0, flat.shape[0], stats, dtype)}, {}
 
-    def decode(self, wire, side, n, dtype):
+    def units(self, d, dtype):
+        return {"codes": 4}
+
+    def statistics(self, key, pieces, dtype):
+        top = pieces.reduce(jnp.abs, "max")
+        if self.clip is None:
+            return {"scale": round_up_to(top, dtype)}
+        # max|clip(x, -b, b)| = min(max|x|, b) exactly.
+        spread, bound = clip_bound_of_pieces(pieces, self.clip)
+        clipped_top = jnp.where(spread, jnp.minimum(top, bound), top)
+        return {"scale": round_up_to(clipped_top, dtype), "_clip": (spread, bound)}
+
+    def encode_span(self, key, x, offset, d, stats, dtype):
+        if "_clip" in stats:
+            spread, bound = stats["_clip"]
+            x = jnp.where(spread, jnp.clip(x, -bound, bound), x)
+        return {"codes": packing.pack(ternarize(key, x, stats["scale"], offset), 2)}
+
+    def decode_span(self, wire, side, offset, n, d, dtype):
         return wire["scale"] * ternary_values(packing.unpack(wire["codes"], 2, n))
 
     def omega(self, d):

@@ -225,6 +225,15 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
 class Leaves:
     """The arrays a transformation works on: each leaf, the whole tree, or buckets of it.
 
+    :attr:`arrays` are the arrays themselves.  :attr:`messages` are the same
+    values as :func:`compjax.exchange.compressed_mean` best takes them: in
+    buckets, each bucket as its pieces (:class:`compjax.pieces.Pieces`), so an
+    elementwise compressor encodes it without concatenating it; otherwise the
+    arrays.  A transformation that sends the updates themselves exchanges
+    :attr:`messages` and hands the results (pieces for a bucket) back to
+    :meth:`rebuild`; one that computes on them (error feedback adds its
+    memory) takes :attr:`arrays`, each bucket then concatenated once.
+
     Args:
       tree: the updates (or params) pytree.
       flatten: treat the tree as one vector (one compressor call, one scale)
@@ -242,12 +251,19 @@ class Leaves:
             _refuse_sharded("bucket_size" if self.bucketed else "flatten", tree)
         if self.bucketed:
             self._buckets = Buckets(tree, bucket_size)
-            self.arrays = self._buckets.cut(tree)
-        elif flatten:
+            self.messages: list[Any] = self._buckets.pieces(tree)
+            return
+        if flatten:
             flat, self._unravel = ravel_pytree(tree)
             self.arrays = [flat]
         else:
             self.arrays, self._treedef = jax.tree.flatten(tree)
+        self.messages = self.arrays
+
+    @functools.cached_property
+    def arrays(self) -> list[jax.Array]:
+        """In buckets: each bucket concatenated (built when first asked for)."""
+        return [p.join() for p in self.messages]
 
     def _pack(self, arrays: Sequence[jax.Array]) -> Any:
         """A state field from one array per entry of :attr:`arrays`."""
@@ -257,8 +273,9 @@ class Leaves:
             return arrays[0]
         return jax.tree.unflatten(self._treedef, list(arrays))
 
-    def rebuild(self, arrays: Sequence[jax.Array]) -> Any:
-        """Inverse: a list of arrays like :attr:`arrays` back into the tree."""
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        """Inverse: a list of arrays like :attr:`arrays` back into the tree (a bucket may also
+        be a list of its pieces, as :func:`compjax.exchange.compressed_mean` returns them)."""
         if self.bucketed:
             return self._buckets.rebuild(arrays)
         if self.flatten:
@@ -280,10 +297,10 @@ class Leaves:
         """
         if self.bucketed:
             arrays = list(state_tree) if isinstance(state_tree, tuple | list) else [state_tree]
-            if len(arrays) != len(self.arrays):
+            if len(arrays) != len(self.messages):
                 raise ValueError(
                     f"state field {name!r} has {len(arrays)} buckets where the updates have "
-                    f"{len(self.arrays)}: was the optimizer state initialised for other params?"
+                    f"{len(self.messages)}: was the optimizer state initialised for other params?"
                 )
         elif self.flatten:
             arrays = [state_tree]
@@ -295,7 +312,7 @@ class Leaves:
                     f"{self._treedef}: was the optimizer state initialised for other params?"
                 )
         lead = (1,) if per_worker else ()
-        for got, leaf in zip(arrays, self.arrays, strict=True):
+        for got, leaf in zip(arrays, self.messages, strict=True):
             if got.shape != lead + leaf.shape:
                 raise ValueError(
                     f"state field {name!r} has a leaf of shape {got.shape} where the updates "
@@ -356,8 +373,15 @@ def saturated(x: jax.Array) -> jax.Array:
     return jnp.minimum(x, jnp.finfo(x.dtype).max)
 
 
-def all_finite(arrays: Sequence[jax.Array]) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
+def all_finite(arrays: Sequence[Any]) -> jax.Array:
+    """Whether every entry of ``arrays`` (arrays, or pytrees of them such as pieces) is finite.
+
+    Pieces are checked through their whole sources (the leaves they are cut
+    from), never sliced: the flag is one for the step, and every entry of a
+    source belongs to some bucket.
+    """
+    leaves = jax.tree.leaves(list(arrays))
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves] or [jnp.bool_(True)]))
 
 
 class Check(NamedTuple):
@@ -388,7 +412,7 @@ def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> Check:
     """
     for a in arrays:
         check_float32_range(a.dtype, "the updates")
-    check_worker_local(arrays, axis_name)
+    check_worker_local(jax.tree.leaves(list(arrays)), axis_name)
     local = ~all_finite(arrays)
     record("flag", local.astype(jnp.int8), "all_reduce", axis_name)
     return Check(local, axis_name)
@@ -404,11 +428,14 @@ def guarded(check: Check, out: list[jax.Array], new_state: Any, old_state: Any):
     ``optax.apply_if_finite`` skips the step.
     """
     floats = [
-        a for a in list(out) + jax.tree.leaves(new_state) if jnp.issubdtype(a.dtype, jnp.floating)
+        a
+        for a in jax.tree.leaves(list(out)) + jax.tree.leaves(new_state)
+        if jnp.issubdtype(a.dtype, jnp.floating)
     ]
     with unrecorded():  # logged by any_non_finite
         bad = any_worker(check.local | ~all_finite(floats), check.axis_name)
-    out = [jnp.where(bad, jnp.nan, o).astype(o.dtype) for o in out]
+    # (A bucket's update may come in pieces, a list of arrays: each piece guarded.)
+    out = [jax.tree.map(lambda a: jnp.where(bad, jnp.nan, a).astype(a.dtype), o) for o in out]
     return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)
 
 
@@ -471,7 +498,7 @@ class ServerMemory:
 
     def read(self, leaves: Leaves, field: Any) -> list[jax.Array | None]:
         if not self.kept:
-            return [None] * len(leaves.arrays)
+            return [None] * len(leaves.messages)
         return leaves.read(field, "server_error", per_worker=True)
 
     def write(

@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from compjax.compressor import flatten
+from compjax.pieces import Pieces
+
 
 class Buckets:
     """The layout of a pytree cut into consecutive flat buckets of ``size`` entries.
@@ -51,32 +54,52 @@ class Buckets:
                 out.append((i, lo - int(s0), hi - int(s0)))
         return out
 
+    def pieces(self, tree: Any) -> list[Pieces]:
+        """Each bucket as the pieces of leaves it covers, nothing copied.
+
+        An elementwise compressor encodes a bucket from its pieces
+        (:meth:`compjax.Compressor.compress_pieces`); :meth:`Pieces.join
+        <compjax.pieces.Pieces.join>` is the bucket as one array.
+        """
+        flat = [flatten(leaf).astype(self.dtype) for leaf in jax.tree.leaves(tree)]
+        return [
+            Pieces(
+                tuple(flat[i] for i, _, _ in self._pieces(a, b)),
+                tuple((lo, hi) for _, lo, hi in self._pieces(a, b)),
+                np.dtype(self.dtype),
+            )
+            for a, b in self.bounds
+        ]
+
+    def sizes(self, bucket: int) -> tuple[int, ...]:
+        """The entries of each piece of bucket ``bucket`` (:meth:`pieces`)."""
+        return tuple(hi - lo for _, lo, hi in self._pieces(*self.bounds[bucket]))
+
     def cut(self, tree: Any) -> list[jax.Array]:
-        """One flat array per bucket.
+        """One flat array per bucket: the concatenation of its pieces, a fresh buffer.
 
         Each bucket is built from only the leaves it overlaps (never one
         concatenation of the whole tree, whose fresh buffer costs about three
         copies of the tree on a CPU) and is materialised once behind an
         optimisation barrier (fused into a compressor, XLA's CPU backend
-        would evaluate the concatenation per entry).
+        would evaluate the concatenation per entry).  Where a compressor
+        encodes pieces, :meth:`pieces` avoids the copy.
         """
-        flat = [leaf.reshape(-1).astype(self.dtype) for leaf in jax.tree.leaves(tree)]
-        out = []
-        for a, b in self.bounds:
-            pieces = [flat[i][lo:hi] for i, lo, hi in self._pieces(a, b)]
-            if not pieces:
-                out.append(jnp.zeros((0,), self.dtype))
-            elif len(pieces) == 1:
-                out.append(pieces[0])
-            else:
-                out.append(jax.lax.optimization_barrier(jnp.concatenate(pieces)))
-        return out
+        return [p.join() for p in self.pieces(tree)]
 
-    def rebuild(self, arrays: Sequence[jax.Array]) -> Any:
-        """The tree from one array per bucket (each leaf back in its own dtype)."""
+    def rebuild(self, arrays: Sequence[jax.Array | Sequence[jax.Array]]) -> Any:
+        """The tree from one array per bucket (each leaf back in its own dtype).
+
+        A bucket may also be given as its pieces (a sequence of 1-D arrays of
+        :meth:`sizes`, as :meth:`compjax.Compressor.decompress_pieces`
+        returns): each piece then goes to its leaf as it is.
+        """
         parts: list[list[jax.Array]] = [[] for _ in self._shapes]
         for (a, b), bucket in zip(self.bounds, arrays, strict=True):
-            for i, lo, hi in self._pieces(a, b):
+            for j, (i, lo, hi) in enumerate(self._pieces(a, b)):
+                if not hasattr(bucket, "shape"):  # in pieces
+                    parts[i].append(bucket[j])
+                    continue
                 start = int(self._starts[i]) + lo - a
                 parts[i].append(bucket[start : start + hi - lo])
         leaves = [

@@ -95,12 +95,13 @@ def compress(
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
+        bad = any_non_finite(leaves.messages, axis_name)
         memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.arrays))
+        key, keys = step_keys(state.key, len(leaves.messages))
+        # The updates as sent (buckets in pieces: no copy for an elementwise compressor).
         sent = [
             compressed_mean(comp, k, g, axis_name, exchange, m)
-            for k, g, m in zip(keys, leaves.arrays, memories, strict=True)
+            for k, g, m in zip(keys, leaves.messages, memories, strict=True)
         ]
         out = [s.mean for s in sent]
         new_state = CompressState(key, server.write(leaves, [s.memory for s in sent], memories))

@@ -62,6 +62,7 @@ from compjax.transforms.base import (
     step_keys,
 )
 from compjax.transforms.streaming_diloco import StreamingDiLoCoState
+from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
 
 class DiLoCoState(NamedTuple):
@@ -298,15 +299,16 @@ def worker_copies(params: Any, num_workers: int) -> Any:
 
 def global_params(opt_state: Any, stacked: bool = False) -> Any:
     """The global params ``theta`` of the :func:`compjax.diloco` (or
-    :func:`compjax.streaming_diloco`) state inside ``opt_state``.
+    :func:`compjax.streaming_diloco`, or 0/1 Adam's local rounds) state inside ``opt_state``.
 
     After a round's last step they are the synchronised params every worker
     restarts from: evaluate or export these.  They are kept in float32 (or
     the params' dtype where wider).
 
     Args:
-      opt_state: an optimizer state holding one :class:`compjax.DiLoCoState` or
-        :class:`compjax.StreamingDiLoCoState` (alone, in ``optax.chain``,
+      opt_state: an optimizer state holding one :class:`compjax.DiLoCoState`,
+        :class:`compjax.StreamingDiLoCoState` or
+        :class:`compjax.ZeroOneAdamLocalState` (alone, in ``optax.chain``,
         ``optax.apply_if_finite``, ...).
       stacked: the state comes from ``jax.vmap`` or ``jax.pmap``, which stack
         even the shared fields on the worker axis: return worker 0's (every
@@ -315,7 +317,7 @@ def global_params(opt_state: Any, stacked: bool = False) -> Any:
     Raises:
       ValueError: ``opt_state`` holds no such state, or several.
     """
-    kinds = (DiLoCoState, StreamingDiLoCoState)
+    kinds = (DiLoCoState, StreamingDiLoCoState, ZeroOneAdamLocalState)
     found = [
         node
         for node in jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, kinds))
@@ -323,7 +325,8 @@ def global_params(opt_state: Any, stacked: bool = False) -> Any:
     ]
     if len(found) != 1:
         raise ValueError(
-            f"opt_state holds {len(found)} DiLoCoState or StreamingDiLoCoState where one is needed"
+            f"opt_state holds {len(found)} DiLoCoState, StreamingDiLoCoState or "
+            f"ZeroOneAdamLocalState where one is needed"
         )
     theta = found[0].global_params
     return jax.tree.map(lambda x: x[0], theta) if stacked else theta

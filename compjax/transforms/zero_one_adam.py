@@ -1,4 +1,4 @@
-"""0/1 Adam without local steps: adaptive variance freezing and 1-bit synchronisation.
+"""0/1 Adam: adaptive variance freezing and 1-bit synchronisation, every step or in rounds.
 
 0/1 Adam (Lu et al. 2022) removes 1-bit Adam's uncompressed warm-up.  With
 the step ``t`` counted from 1, while ``t <= var_freeze_step + 1``:
@@ -19,14 +19,16 @@ through the error-compensated compressed all-reduce.  Every step updates
 with ``m / (sqrt(v) + eps)`` (no bias correction), as DeepSpeed's
 ``ZeroOneAdam`` does.
 
-**Not implemented: the local steps** (the paper's ``T_u``, DeepSpeed's
-``local_step_scaler`` and ``local_step_clipper``).  There the workers skip
-synchronisations and step their own parameters apart until the next one;
-compjax's transformations keep the parameters replicated, so this is 0/1
-Adam with a synchronisation at every step (``local_step_clipper = 1``, under
-which DeepSpeed's frozen phase reduces to the same 1-bit momentum exchange).
+That is :func:`scale_by_zero_one_adam`, and :func:`zero_one_adam` with
+``local_step_clipper = 1`` (the default): a synchronisation at every step,
+on replicated params.  :func:`zero_one_adam` with ``local_step_clipper > 1``
+adds the paper's local rounds ``T_u`` (DeepSpeed's ``local_step_scaler``
+and ``local_step_clipper``): once the variance is frozen each worker steps
+its own params between synchronisations that grow further apart, on the
+per-worker params of :func:`compjax.diloco`
+(:mod:`compjax.transforms.zero_one_adam_local`).
 
-**Where compjax departs from DeepSpeed's ``ZeroOneAdam``** (tested against a
+**Where the synchronising path departs from DeepSpeed's ``ZeroOneAdam``** (tested against a
 transcription of its ``step`` in ``tests/test_zero_one_adam.py``):
 
 * *The variance steps, shifted by one.*  DeepSpeed's first ``step()`` call
@@ -47,9 +49,12 @@ transcription of its ``step`` in ``tests/test_zero_one_adam.py``):
   the learning rate is constant and ``wd = 0`` (the scaled sign is positively
   homogeneous); after a change of learning rate DeepSpeed's error buffer
   carries the earlier rates into the next messages, and with weight decay
-  its momentum carries ``wd p (sqrt(v) + eps)``.  DeepSpeed's form is not
-  offered: compjax's frozen phase is 1-bit Adam's compression stage, with
-  the learning rate chained after it as for every optax transformation.
+  its momentum carries ``wd p (sqrt(v) + eps)``.  compjax's synchronising
+  frozen phase is 1-bit Adam's compression stage, with the learning rate
+  chained after it as for every optax transformation.  The local rounds,
+  whose learning rate is inside the transformation, keep DeepSpeed's
+  learning-rate units (without its weight decay), and its schedule's shift
+  is theirs to choose too (``schedule``).
 
 References:
   Lu, Li, Zhang, Tang, Awan, He, "Maximizing Communication Efficiency for
@@ -90,6 +95,12 @@ from compjax.transforms.compressed_adam import (
     read_buffers,
     write_buffers,
 )
+from compjax.transforms.zero_one_adam_local import check_local_steps, local_zero_one_adam
+from compjax.transforms.zero_one_adam_schedule import (  # noqa: F401 (SCHEDULES re-exported)
+    SCHEDULES,
+    offset,
+    variance_steps,
+)
 
 
 class ZeroOneAdamState(NamedTuple):
@@ -118,40 +129,6 @@ class ZeroOneAdamState(NamedTuple):
     PER_WORKER = ("error", "server_error")
 
 
-SCHEDULES = ("compjax", "deepspeed")
-
-
-def _offset(schedule: str) -> int:
-    """How many steps DeepSpeed's count is ahead: its first ``step()`` counts, sets up
-    buffers and discards its gradient, so its step ``s`` is the gradient ``s - 1``."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    return 1 if schedule == "deepspeed" else 0
-
-
-def variance_steps(
-    var_update_scaler: int, var_freeze_step: int, schedule: str = "compjax"
-) -> list[int]:
-    """The steps (from 1, one per gradient) on which the variance is updated: ``T_v``.
-
-    ``"compjax"``: ``var_update_scaler`` steps at interval 1, then as many at
-    interval 2 (the multiples of 2), 4, ..., up to ``var_freeze_step + 1``.
-    ``"deepspeed"``: DeepSpeed's ``ZeroOneAdam`` fed the same gradients: the
-    step ``t`` is a variance step when ``t + 1`` is a multiple of the
-    interval, up to ``var_freeze_step`` (e.g. ``1, 2, 3, 5, 7, 11`` where
-    compjax has ``1, 2, 4, 6, 8, 12``, at ``(2, 12)``).
-    """
-    offset = _offset(schedule)
-    steps, interval, counter = [], 1, 0
-    for t in range(1, var_freeze_step + 2 - offset):
-        if (t + offset) % interval == 0:
-            steps.append(t)
-            counter += 1
-            if counter == var_update_scaler:
-                counter, interval = 0, 2 * interval
-    return steps
-
-
 def scale_by_zero_one_adam(
     axis_name: AxisName,
     var_freeze_step: int,
@@ -167,7 +144,7 @@ def scale_by_zero_one_adam(
     seed: int = 0,
     schedule: str = "compjax",
 ) -> optax.GradientTransformation:
-    """0/1 Adam's direction ``m / (sqrt(v) + eps)`` (no local steps; see the module docstring).
+    """0/1 Adam's direction ``m / (sqrt(v) + eps)``, synchronising every step (module docstring).
 
     ``compjax.communication`` reports one compressed round (a 1-bit gradient
     round and a 1-bit momentum round send the same messages); variance steps
@@ -214,7 +191,7 @@ def scale_by_zero_one_adam(
         b1, b2, eps, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler
     )
     check_grouping(flatten, bucket_size)
-    offset = _offset(schedule)
+    shift = offset(schedule)
     comp = l2_scaled_sign() if comp is None else comp
     as_exchange(exchange)
     server = ServerMemory(comp, exchange)
@@ -235,7 +212,7 @@ def scale_by_zero_one_adam(
         mus, nus, errors, old_memories = read_buffers(leaves, server, state)
         key, keys = step_keys(state.key, len(leaves.arrays))
         step = state.count + 1
-        phase = state.count + offset  # DeepSpeed's count is one ahead (see `schedule`)
+        phase = state.count + shift  # DeepSpeed's count is one ahead (see `schedule`)
         adaptive = phase <= var_freeze_step
         variance_step = adaptive & ((phase + 1) % state.var_interval == 0)
         # The first frozen step starts the buffers afresh: they held gradients' errors.
@@ -289,19 +266,56 @@ def zero_one_adam(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    *,
+    local_step_scaler: int = 32678,
+    local_step_clipper: int = 1,
     **kwargs,
 ) -> optax.GradientTransformation:
-    """0/1 Adam with a learning rate: :func:`scale_by_zero_one_adam`, then ``-learning_rate``.
+    """0/1 Adam with a learning rate, synchronising every step or with local rounds.
+
+    ``local_step_clipper = 1`` (default): :func:`scale_by_zero_one_adam`,
+    then ``-learning_rate``; the params are replicated and every step
+    synchronises.  ``local_step_clipper > 1``: 0/1 Adam's local rounds
+    (:func:`compjax.transforms.zero_one_adam_local.local_zero_one_adam`) over
+    per-worker params, as :func:`compjax.diloco`: once the variance is
+    frozen the workers step their own params between synchronisations whose
+    interval doubles every ``local_step_scaler`` frozen steps up to
+    ``local_step_clipper``; ``update(grads, state, params)`` then needs this
+    worker's own ``params`` and must be the last transformation of a chain.
 
     Args:
       learning_rate: a float or an optax schedule.
       axis_name, var_freeze_step, var_update_scaler, b1, b2, eps: see
         :func:`scale_by_zero_one_adam`; ``kwargs``: its keyword options.
+      local_step_scaler: frozen steps between doublings of the local
+        interval (DeepSpeed's default 32678; no effect at
+        ``local_step_clipper = 1``).
+      local_step_clipper: the largest interval between synchronisations, the
+        paper's ``H`` (DeepSpeed's default is 16; compjax's 1 synchronises
+        every step).
+
+    Raises:
+      ValueError: as :func:`scale_by_zero_one_adam`, or ``local_step_scaler``
+        or ``local_step_clipper`` not an integer >= 1.
 
     References:
       Lu et al., "Maximizing Communication Efficiency for Large-scale
       Training via 0/1 Adam", ICLR 2023.
     """
+    check_local_steps(local_step_scaler, local_step_clipper)
+    if local_step_clipper > 1:
+        return local_zero_one_adam(
+            learning_rate,
+            axis_name,
+            var_freeze_step,
+            var_update_scaler,
+            b1,
+            b2,
+            eps,
+            local_step_scaler=local_step_scaler,
+            local_step_clipper=local_step_clipper,
+            **kwargs,
+        )
     return optax.chain(
         scale_by_zero_one_adam(
             axis_name, var_freeze_step, var_update_scaler, b1, b2, eps, **kwargs

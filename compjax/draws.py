@@ -1,0 +1,128 @@
+"""Random draws of compjax's stochastic compressors: one 32-bit word per entry, from a key.
+
+For threefry keys (JAX's default) one threefry draw per array gives a 64-bit
+seed, and a bijective integer hash of each entry's index (:func:`counter_bits`)
+expands it to one word per entry: exactly uniform at each entry, fused into
+the loop that consumes it, where a threefry draw per entry costs several times
+a memory copy.  Since entry ``i``'s word depends only on ``i``, a stretch of
+an array (a piece of a gradient bucket, :mod:`compjax.pieces`) draws its
+words alone, with ``offset``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from compjax.numerics import divide, round_to
+
+#: Largest array size the counter-based sampler handles (a uint32 counter per entry).
+_MAX_COUNTER = 2**32
+
+
+def mix32(h: jax.Array) -> jax.Array:
+    """A bijection of uint32 with full avalanche (Wellons' ``lowbias32``).
+
+    Each step is invertible: ``h ^ (h >> s)`` for ``s >= 1`` (the top ``s``
+    bits are unchanged and determine the next ones) and multiplication by an
+    odd constant modulo ``2**32``.
+    """
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x7FEB352D)
+    h = h ^ (h >> 15)
+    h = h * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def counter_bits(seed: jax.Array, n: int, offset: int = 0) -> jax.Array:
+    """32 random bits for each of the counters ``offset .. offset+n-1`` under a 64-bit ``seed``.
+
+    Entry ``i`` is ``mix32(mix32(i + s0) ^ s1)`` with ``seed = (s0, s1)``
+    (uint32, ``n <= 2**32``): a handful of integer operations per entry that
+    XLA fuses into the loop that consumes the bits, where a threefry draw per
+    entry costs several times a memory copy.  For a fixed ``i`` and ``s1`` the
+    map ``s0 -> bits[i]`` is a bijection of uint32 (a composition of
+    bijections), so a uniform ``s0`` gives exactly uniform 32 bits at every
+    entry, and two independent seeds give independent bits at the same entry.
+    ``offset`` draws a stretch of the same stream: entries ``[o, o + n)`` of an
+    array are drawn by ``counter_bits(seed, n, o)`` exactly as by the whole
+    array's draw (:mod:`compjax.pieces`).
+    """
+    i = jax.lax.iota(jnp.uint32, n)
+    if offset:
+        i = i + jnp.uint32(offset)
+    return mix32(mix32(i + seed[0]) ^ seed[1])
+
+
+def uses_threefry(key) -> bool:
+    """Whether ``key`` is a threefry key (typed, or a raw key of the default impl)."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return str(jax.random.key_impl(key)) == "threefry2x32"
+    return jax.config.jax_default_prng_impl == "threefry2x32" and key.shape[-1:] == (2,)
+
+
+def counts_entries(key, n: int) -> bool:
+    """Whether :func:`random_bits` draws ``n`` entries of ``key`` from counters (so that a
+    stretch of them can be drawn alone, with ``offset``)."""
+    return uses_threefry(key) and n <= _MAX_COUNTER
+
+
+def random_bits(key, shape, offset: int = 0) -> jax.Array:
+    """Uniform uint32 draws of ``shape``, one per entry, from a PRNG ``key``.
+
+    For threefry keys (JAX's default) one threefry draw gives a 64-bit seed
+    and :func:`counter_bits` expands it to one 32-bit word per entry: exactly
+    uniform at each entry and independent across independent keys (workers'
+    ``fold_in`` keys), at a fraction of a per-entry threefry draw.  Any other
+    key implementation (``rbg``, or a custom one such as the scripted keys of
+    ``proofs_checks``) draws with ``jax.random.bits``, so an implementation
+    that chooses the bits controls every entry's draw.
+
+    ``offset``: the entries are entries ``offset ..`` of a larger array drawn
+    with the same key (counter-drawn keys only, :func:`counts_entries`).
+    """
+    shape = tuple(shape)
+    n = math.prod(shape)
+    if counts_entries(key, offset + n):
+        seed = jax.random.bits(key, (2,), jnp.uint32)
+        return counter_bits(seed, n, offset).reshape(shape)
+    if offset:
+        raise ValueError(f"offset={offset}: only counter-drawn (threefry) keys draw a stretch")
+    return jax.random.bits(key, shape, jnp.uint32)
+
+
+def bernoulli(key, p: jax.Array, offset: int = 0) -> jax.Array:
+    """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
+
+    Compares 32 random bits (:func:`random_bits`) with ``p * 2**32``: the
+    probability is exact for ``p >= 2**-8`` (where ``p * 2**32`` is an
+    integer) and otherwise off by less than ``2**-32``.
+    ``jax.random.uniform`` would carry only 23 random bits and round every
+    probability up to a multiple of ``2**-23``.  ``p = 1`` is always true and
+    ``p = 0`` always false.  ``offset`` as in :func:`random_bits`.
+    """
+    bits = random_bits(key, p.shape, offset)
+    scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
+    threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
+    return (bits < threshold) | (p >= 1.0)
+
+
+def stochastic_round(key, y: jax.Array, dtype, offset: int = 0) -> jax.Array:
+    """Float32 ``y`` rounded onto ``dtype``'s grid at random, unbiased, as float32.
+
+    Each entry becomes one of its two neighbours in ``dtype`` with the
+    probabilities that keep ``E = y``, so the cast in :meth:`Compressor.finish`
+    is exact.  The identity for float32; values beyond the dtype's largest
+    finite value saturate there (biased).  ``offset`` as in :func:`random_bits`.
+    """
+    if np.dtype(dtype).itemsize >= 4:
+        return y
+    near = round_to(y, dtype)
+    limit = jnp.asarray(jnp.finfo(dtype).max, dtype)
+    toward = jnp.nextafter(near.astype(dtype), jnp.where(y > near, limit, -limit))
+    other = toward.astype(jnp.float32)
+    p = divide(jnp.abs(y - near), jnp.abs(other - near))
+    return jnp.where(bernoulli(key, p, offset), other, near)
