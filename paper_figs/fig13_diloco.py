@@ -44,8 +44,9 @@ divided by ``H``, plus the 8-bit non-finite flag every step all-reduces.
 The scale is set by the machine: a step of the four workers costs 60-70 ms
 (the transformer's forward and backward pass on about one core of the two)
 and each method compiles in 15-40 s, so ``FULL=1`` (13 methods, 3 seeds,
-``FULL_STEPS = 400`` steps) takes about 25 minutes; ``H = 100`` then makes 4
-rounds.  The 1000 steps that would give it 10 would take about 55 minutes.
+``FULL_STEPS = 400`` steps) takes 19 minutes on an idle machine (25 to 27
+with other sessions on the cores); ``H = 100`` then makes 4 rounds.  The
+1000 steps that would give it 10 would take 45 to 60 minutes.
 The 4-bit float is MXFP4, not a plain ``cast("float4_e2m1fn")``: the cast's
 smallest nonzero value is 0.5 and entries below 0.25 round to 0, while a
 round of AdamW moves most entries by far less, so with the cast DiLoCo
@@ -105,7 +106,7 @@ CURVE_EXAMPLES = 256
 TOLERANCE, MIN_RATIO = 0.03, 100.0
 SWEEP_SEED = 10
 #: Steps of a full run: about the most that keeps ``FULL=1`` near 20 minutes on the 2-core
-#: machine (measured: 25; see the module docstring).
+#: machine (measured: 19 idle, 25 to 27 shared; see the module docstring).
 FULL_STEPS = 400
 #: The peak learning rates every method tries, and the ladder the sweep may walk on.
 SWEEP_GRID = (1e-3, 3e-3, 1e-2)
@@ -625,7 +626,7 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
         f"Criterion (fixed before the run): some configuration at >= {MIN_RATIO:g}x fewer bits "
         f"whose 95% interval of the validation gap lies below +{100 * TOLERANCE:g}%: "
         f"reproduced; only its mean: partly. H = 100 makes {s.steps // 100} rounds in "
-        f"{s.steps} steps; the 1000 steps that would give it 10 would take about 55 minutes here."
+        f"{s.steps} steps; the 1000 steps that would give it 10 would take 45 to 60 minutes here."
     )
     md = common.section(
         NAME,
