@@ -21,10 +21,12 @@ References:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from compjax.draws import random_bits
+from compjax.draws import counts_entries, mix32, random_bits
 
 
 def next_power_of_two(n: int) -> int:
@@ -33,8 +35,14 @@ def next_power_of_two(n: int) -> int:
 
 
 #: Entries of one block of the blocked transform (:func:`fwht` on long vectors): 256 KiB of
-#: float32, so a block's butterfly stages run in the core's cache.
+#: float32, so a block's stages run in the core's cache.
 _BLOCK = 2**16
+
+#: The Hadamard matrix of order 2.
+_H2 = ((1.0, 1.0), (1.0, -1.0))
+
+#: The sign bit of a float32, as uint32.
+_SIGN_BIT = 0x80000000
 
 
 def fwht(x: jax.Array) -> jax.Array:
@@ -52,57 +60,117 @@ def fwht(x: jax.Array) -> jax.Array:
         return x
     scale = jnp.asarray(n**-0.5, x.dtype)
     if x.ndim == 1 and n > _BLOCK:
-        return _fwht_blocked(x, scale)
+        return _blocked(x)
     batch = x.shape[:-1]
-    return (_butterfly(x.reshape(-1, n, 1)) * scale).reshape(*batch, n)
+    stages = functools.partial(_leading_stages, stages=n.bit_length() - 1)
+    return (jax.vmap(stages)(x.reshape(-1, n)) * scale).reshape(*batch, n)
 
 
-def _butterfly(x: jax.Array) -> jax.Array:
-    """Every butterfly stage along the middle axis of ``(batch, length, inner)``, unscaled.
+def _leading_stages(x: jax.Array, stages: int) -> jax.Array:
+    """``stages`` butterfly stages of a 1-D ``x`` on its leading (most significant) index bits.
 
-    Stage ``h`` pairs ``i`` with ``i + h`` along that axis, ``(a, b) -> (a + b, a - b)``,
-    for ``h = 1, 2, 4, ...``; the inner axis rides along (contiguous, vectorised).
+    Each stage views ``x`` as ``(2, m)``, pairs ``x[0, j]`` with ``x[1, j]`` and
+    writes ``(a + b, a - b)`` as row ``j`` of an ``(m, 2)`` result: a product with
+    ``H_2`` that contracts the leading index bit and appends the transformed
+    bit last.  After ``s`` stages the ``s`` leading bits are transformed and
+    moved behind the others; after all of them the order is the natural one
+    (the Kronecker identity ``H_(2^k) = H_2 (x) ... (x) H_2``).  Each stage is
+    one product with a 2x2 matrix, which XLA runs as a vectorised loop
+    (several times faster on CPU than a reshape-and-stack butterfly).
     """
-    batch, length, inner = x.shape
-    h = 1
-    while h < length:
-        pairs = x.reshape(batch, length // (2 * h), 2, h * inner)
-        a, b = pairs[:, :, 0], pairs[:, :, 1]
-        x = jnp.stack([a + b, a - b], axis=2)
-        h *= 2
-    return x.reshape(batch, length, inner)
+    h2 = jnp.asarray(_H2, x.dtype)
+    for _ in range(stages):
+        x = jax.lax.dot_general(
+            x.reshape(2, -1), h2, (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST
+        )
+    return x.reshape(-1)
 
 
-def _fwht_blocked(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """:func:`fwht` of a long vector in two passes over memory.
+def _flip(x: jax.Array, bits: jax.Array) -> jax.Array:
+    """``x`` with its sign flipped where the top bit of ``bits`` (uint32) is set:
+    ``x * (1 - 2 (bits >> 31))``, exactly, as a sign-bit xor."""
+    word = jax.lax.bitcast_convert_type(x, jnp.uint32) ^ (bits & jnp.uint32(_SIGN_BIT))
+    return jax.lax.bitcast_convert_type(word, x.dtype)
+
+
+def _natural_index(shape, strides, offset) -> jax.Array:
+    """uint32 ``offset + i strides[0] + j strides[1]`` at ``(i, j)`` of a 2-D ``shape``."""
+    rows = jax.lax.broadcasted_iota(jnp.uint32, shape, 0) * jnp.uint32(strides[0])
+    cols = jax.lax.broadcasted_iota(jnp.uint32, shape, 1) * jnp.uint32(strides[1])
+    return rows + cols + offset
+
+
+def _transposing_pass(matrix, strides, pre=None, post=None):
+    """``(H_rows M)^T`` for ``M = matrix`` of shape ``(rows, cols)``, one column block at a time.
+
+    A block of ``w`` columns (``rows * w <= 2**16`` entries, read with a stride, in
+    cache) gets :func:`_leading_stages` over its ``log2(rows)`` row bits, which
+    leaves it as ``(w, rows)``: rows ``j w ..`` of the ``(cols, rows)`` result,
+    written contiguously.  ``strides`` give each entry's index in the vector
+    (``M[r, c]`` is entry ``r strides[0] + c strides[1]``); ``pre`` and
+    ``post``, functions of a block and its entries' indices, run on each
+    block before and after its stages, fused into the same pass.
+    """
+    rows, cols = matrix.shape
+    width = max(1, min(cols, _BLOCK // rows))
+    stages = rows.bit_length() - 1
+
+    def block(_, j):
+        col = j * width
+        offset = col.astype(jnp.uint32) * jnp.uint32(strides[1])
+        values = jax.lax.dynamic_slice_in_dim(matrix, col, width, 1)
+        if pre is not None:
+            values = pre(values, _natural_index((rows, width), strides, offset))
+        values = _leading_stages(values.reshape(-1), stages).reshape(width, rows)
+        if post is not None:
+            values = post(values, _natural_index((width, rows), strides[::-1], offset))
+        return None, values
+
+    _, blocks = jax.lax.scan(block, None, jnp.arange(cols // width, dtype=jnp.int32))
+    return blocks.reshape(cols, rows)
+
+
+def _halves(n: int) -> tuple[int, int]:
+    """``(A, B)`` with ``A B = n``, both powers of two, ``A >= B``, as even as possible."""
+    log2 = n.bit_length() - 1
+    rows = 1 << (log2 - log2 // 2)
+    return rows, n // rows
+
+
+def _blocked(x: jax.Array, draws=(None,), inverse: bool = False) -> jax.Array:
+    """:func:`fwht` of a long vector, or rounds of a randomized rotation, in blocked passes.
 
     With ``n = A B`` and ``X = x.reshape(A, B)``, ``H_n x = vec(H_A X H_B)``
-    (``H_n = H_A (x) H_B``): the first pass transforms blocks of rows (the
-    stages ``h < B``), the second blocks of columns (the stages ``h >= B``),
-    each block in cache, updated in place in a loop.  Per entry these are the
-    stages of the one-pass-per-stage butterfly, in the same order.
+    (``H_n = H_A (x) H_B``): a first :func:`_transposing_pass` gives
+    ``(H_A X)^T``, a second ``(H_B (H_A X)^T)^T = H_A X H_B``, scaled by
+    ``1 / sqrt(n)`` on its way out: two reads and writes of the vector per
+    transform.  Per entry the stages run from the most significant index bit
+    to the least, as in the one-piece transform, so the bits are the same.
+
+    ``draws`` has one entry per round: ``None`` (a plain transform) or a
+    function of the entries' indices (uint32) giving uint32 words whose top
+    bit flips an entry's sign, the diagonal ``D`` of the round.  A round is
+    ``H D x``, the flips made in its first pass; with ``inverse`` it is
+    ``D H y``, the flips made in its second, after the scaling (the same
+    operations per entry as :func:`rotate` and :func:`unrotate`).
     """
     n = x.shape[0]
-    log2 = n.bit_length() - 1
-    cols_total = 1 << (log2 - log2 // 2)
-    rows_total = n // cols_total
-    rows = max(1, min(rows_total, _BLOCK // cols_total))
-    cols = max(1, min(cols_total, _BLOCK // rows_total))
-    matrix = x.reshape(rows_total, cols_total)
+    rows, cols = _halves(n)
+    scale = jnp.asarray(n**-0.5, x.dtype)
 
-    def row_block(i, matrix):
-        block = jax.lax.dynamic_slice_in_dim(matrix, i * rows, rows, 0)
-        block = _butterfly(block.reshape(rows, cols_total, 1)).reshape(rows, cols_total)
-        return jax.lax.dynamic_update_slice_in_dim(matrix, block, i * rows, 0)
+    def flipping(draw):
+        return lambda values, index: _flip(values, draw(index))
 
-    def col_block(j, matrix):
-        block = jax.lax.dynamic_slice_in_dim(matrix, j * cols, cols, 1)
-        block = _butterfly(block.reshape(1, rows_total, cols)).reshape(rows_total, cols)
-        return jax.lax.dynamic_update_slice_in_dim(matrix, block * scale, j * cols, 1)
+    def scaling(draw):
+        if draw is None or not inverse:
+            return lambda values, index: values * scale
+        return lambda values, index: _flip(values * scale, draw(index))
 
-    matrix = jax.lax.fori_loop(0, rows_total // rows, row_block, matrix)
-    matrix = jax.lax.fori_loop(0, cols_total // cols, col_block, matrix)
-    return matrix.reshape(n)
+    for draw in draws:
+        first = flipping(draw) if draw is not None and not inverse else None
+        y = _transposing_pass(x.reshape(rows, cols), (cols, 1), pre=first)
+        x = _transposing_pass(y, (1, cols), post=scaling(draw)).reshape(n)
+    return x
 
 
 def random_signs(key, n: int, rounds: int = 1) -> jax.Array:
@@ -123,3 +191,41 @@ def unrotate(signs: jax.Array, y: jax.Array) -> jax.Array:
     for d in signs[::-1]:
         y = d * fwht(y)
     return y
+
+
+def _sign_draws(key, n: int, rounds: int):
+    """Per round, the words of :func:`random_signs`' stream as a function of the index:
+    round ``k``, entry ``i`` is counter ``k n + i`` of :func:`compjax.draws.counter_bits`."""
+    seed = jax.random.bits(key, (2,), jnp.uint32)
+
+    def draw(k):
+        return lambda index: mix32(mix32(index + (seed[0] + jnp.uint32(k * n))) ^ seed[1])
+
+    return [draw(k) for k in range(rounds)]
+
+
+def _fuses_signs(key, x: jax.Array, rounds: int) -> bool:
+    """Whether :func:`rotate_key` draws the signs inside the blocked passes."""
+    n = x.shape[-1]
+    return x.ndim == 1 and n > _BLOCK and counts_entries(key, rounds * n)
+
+
+def rotate_key(key, x: jax.Array, rounds: int = 1) -> jax.Array:
+    """``rotate(random_signs(key, n, rounds), x)``, the same bits, without the signs in memory.
+
+    On a long vector (past ``2**16`` entries, counter-drawn key) each round's
+    signs are drawn from their counters inside the first blocked pass of the
+    round's transform: a round reads and writes the vector twice, where
+    drawing ``D``, multiplying by it and transforming takes four passes.
+    """
+    if not _fuses_signs(key, x, rounds):
+        return rotate(random_signs(key, x.shape[-1], rounds), x)
+    return _blocked(x, _sign_draws(key, x.shape[0], rounds))
+
+
+def unrotate_key(key, y: jax.Array, rounds: int = 1) -> jax.Array:
+    """``unrotate(random_signs(key, n, rounds), y)``, the inverse of :func:`rotate_key`, the
+    signs drawn inside each round's second blocked pass."""
+    if not _fuses_signs(key, y, rounds):
+        return unrotate(random_signs(key, y.shape[-1], rounds), y)
+    return _blocked(y, _sign_draws(key, y.shape[0], rounds)[::-1], inverse=True)

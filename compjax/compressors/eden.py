@@ -102,21 +102,18 @@ class Drive(Compressor):
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.unbiased_scale
 
-    def _signs(self, key, n):
-        return hadamard.random_signs(key, n, self.rounds)
-
     def _rotate(self, key, x):
         """``R x``: Haar for ``d' <= HAAR_MAX``, else ``rounds`` randomized Hadamard rounds."""
         n = x.shape[0]
         if n <= HAAR_MAX:
             return haar_orthogonal(key, n) @ x
-        return hadamard.rotate(self._signs(key, n), x)
+        return hadamard.rotate_key(key, x, self.rounds)
 
     def _unrotate(self, key, y):
         n = y.shape[0]
         if n <= HAAR_MAX:
             return haar_orthogonal(key, n).T @ y
-        return hadamard.unrotate(self._signs(key, n), y)
+        return hadamard.unrotate_key(key, y, self.rounds)
 
     def _codebook(self):
         centroids = jnp.asarray(lloyd_max(self.bit_width)[0], jnp.float32)
