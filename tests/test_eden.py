@@ -59,8 +59,8 @@ def test_fwht_is_the_orthonormal_hadamard_matrix():
 
 
 def test_blocked_fwht_of_long_vectors_is_the_per_stage_butterfly_bit_for_bit():
-    """Past 2**16 entries a vector is transformed in two blocked passes; the same additions
-    in the same order as the per-stage butterfly (which batched inputs take)."""
+    """Past 2**16 entries a vector is transformed in two blocked, transposing passes; the same
+    additions in the same order as the one-piece transform (which batched inputs take)."""
     for log2 in (17,):  # 2**18 too with make test-slow (test_blocked_fwht_at_2_18)
         x = jax.random.normal(jax.random.key(log2), (1 << log2,), jnp.float32)
         blocked = jax.jit(hadamard.fwht)(x)
@@ -84,6 +84,36 @@ def test_randomized_rotation_inverts():
     y = hadamard.rotate(signs, x)
     np.testing.assert_allclose(jnp.linalg.norm(y), jnp.linalg.norm(x), rtol=1e-5)
     np.testing.assert_allclose(hadamard.unrotate(signs, y), x, rtol=1e-4, atol=1e-5)
+
+
+def test_rotation_with_signs_drawn_in_the_passes_is_rotate_bit_for_bit():
+    """Past 2**16 entries ``rotate_key`` draws each round's signs inside its first blocked pass
+    (``unrotate_key`` inside the last): the same bits as ``rotate`` with ``random_signs``."""
+    n, key = 1 << 17, jax.random.key_data(jax.random.key(9))
+    x = jax.random.normal(jax.random.key(8), (n,), jnp.float32)
+    signs = hadamard.random_signs(key, n, 3)
+    y = jax.jit(hadamard.rotate_key, static_argnums=2)(key, x, 3)
+    np.testing.assert_array_equal(y, jax.jit(hadamard.rotate)(signs, x))
+    back = jax.jit(hadamard.unrotate_key, static_argnums=2)(key, y, 3)
+    np.testing.assert_array_equal(back, jax.jit(hadamard.unrotate)(signs, y))
+    np.testing.assert_allclose(back, x, rtol=1e-4, atol=1e-5)
+    # A key whose draws are not counter-based takes the signs from memory: the same rotation.
+    rbg = jax.random.key(9, impl="rbg")
+    rotate = jax.jit(hadamard.rotate_key, static_argnums=2)
+    np.testing.assert_array_equal(
+        rotate(rbg, x, 2), jax.jit(hadamard.rotate)(hadamard.random_signs(rbg, n, 2), x)
+    )
+
+
+def test_eden_on_a_long_vector_keeps_its_inner_product():
+    """``<x_hat, x> = ||x||^2`` through the blocked rotation with its signs drawn in the passes."""
+    x = jax.random.normal(jax.random.key(10), (100_000,), jnp.float32)
+    for comp in (compjax.eden(), compjax.eden(bits=2)):
+        x_hat = jax.jit(lambda key, x, comp=comp: comp.decompress(comp.compress(key, x)))(
+            jax.random.key(11), x
+        )
+        np.testing.assert_allclose(jnp.dot(x_hat, x), jnp.dot(x, x), rtol=1e-4)
+        assert 0.05 < float(jnp.sum((x_hat - x) ** 2) / jnp.sum(x * x)) < 1.0
 
 
 def test_wire_format_counts_the_padding():
