@@ -3,8 +3,11 @@
 ``fwht(x)`` is ``H x / sqrt(n)`` with ``H`` the Sylvester Hadamard matrix of
 order ``n = 2^k`` (``scipy.linalg.hadamard(n)``): orthonormal and symmetric,
 hence its own inverse.  It runs in ``k`` butterfly stages of ``n`` additions
-each (``O(n log n)``), each stage a reshape of the last axis to
-``(n / 2h, 2, h)``, never a dense matrix.
+each (``O(n log n)``), never a dense matrix: each stage a product with
+``H_2`` that transforms the leading index bit and moves it last
+(``H_n = H_2 (x) ... (x) H_2``), so after ``k`` stages the order is natural
+again.  A long vector is transformed in cache-sized blocks, in two passes
+over memory.
 
 A randomized Hadamard rotation is ``R x = fwht(D x)`` with ``D`` a diagonal of
 random signs; ``rounds`` of them (``R = H D_r ... H D_1``) bring the rotated
@@ -51,7 +54,7 @@ def fwht(x: jax.Array) -> jax.Array:
     Equals ``x @ scipy.linalg.hadamard(n) / sqrt(n)``; ``fwht(fwht(x)) == x``
     up to rounding.  A vector longer than ``2**16`` is transformed in two
     blocked passes over memory instead of one pass per stage (the same
-    additions in the same order, so the same bits).
+    additions in the same order, so the same bits; :func:`_blocked`).
     """
     n = x.shape[-1]
     if n & (n - 1):

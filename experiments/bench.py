@@ -287,15 +287,14 @@ def bench_hadamard(repeats: int) -> dict:
 
     The rotation is the one EDEN's compress makes: ``HADAMARD_ROUNDS`` rounds
     ``H D_r ... H D_1 x`` with the sign diagonals drawn from the key in the
-    same call.  Interleaved with the copy, round by round.
+    same call (:func:`compjax.hadamard.rotate_key`: inside the blocked
+    passes).  Interleaved with the copy, round by round.
     """
     x = jax.random.normal(jax.random.key(4), (N,), jnp.float32)
     key = jax.random.key(5)
     copy = jax.jit(lambda x: x * 2.0)
     fwht = jax.jit(hadamard.fwht)
-    rotate = jax.jit(
-        lambda key, x: hadamard.rotate(hadamard.random_signs(key, N, HADAMARD_ROUNDS), x)
-    )
+    rotate = jax.jit(lambda key, x: hadamard.rotate_key(key, x, HADAMARD_ROUNDS))
     faults: dict = {}
     times = interleaved(
         {"copy": partial(copy, x), "fwht": partial(fwht, x), "rotate": partial(rotate, key, x)},
