@@ -31,6 +31,14 @@ import optax
 from compjax import collectives
 from compjax.collectives import AxisName
 from compjax.compressor import safe_norm
+from compjax.compressors.selection import (
+    Selection,
+    check_band,
+    exact_select,
+    num_selected,
+    sample_layout,
+    sampled_threshold_select,
+)
 from compjax.compressors.sparse import top_k
 from compjax.exchange import Exchange, as_exchange, compressed_mean
 from compjax.numerics import mean_of_sum
@@ -44,13 +52,6 @@ from compjax.transforms.base import (
     counted,
     guarded,
     state_zeros,
-)
-from compjax.transforms.dgc_select import (
-    Selection,
-    exact_select,
-    num_selected,
-    sample_layout,
-    sampled_threshold_select,
 )
 
 #: The paper's warm-up densities (75%, 93.75%, 98.4375%, 99.6% sparsity), one
@@ -267,16 +268,6 @@ def _check_int(name: str, value, least: int) -> int:
     raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
-def _check_band(band) -> tuple[float, float]:
-    try:
-        low, high = (float(b) for b in band)
-    except (TypeError, ValueError):
-        raise ValueError(f"accept_band must be a pair (low, high), got {band!r}") from None
-    if not 0.0 < low <= 1.0 <= high:
-        raise ValueError(f"accept_band must satisfy 0 < low <= 1 <= high, got {band!r}")
-    return low, high
-
-
 def _check_warmup(warmup_ratios) -> tuple[float, ...]:
     if isinstance(warmup_ratios, str) or not isinstance(warmup_ratios, Sequence):
         raise ValueError(f"warmup_ratios must be a sequence of ratios, got {warmup_ratios!r}")
@@ -464,7 +455,7 @@ def dgc(
         steps_per_phase=steps,
         sampled_threshold=own_gather if sampled_threshold is None else bool(sampled_threshold),
         sample_ratio=_check_unit("sample_ratio", sample_ratio),
-        band=_check_band(accept_band),
+        band=check_band(accept_band, "accept_band"),
         max_adaptation_iters=_check_int("max_adaptation_iters", max_adaptation_iters, 0),
         min_size=_check_int("min_size", min_size, 1),
         exchange=None if own_gather else route,
