@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from test_transforms import PARAMS, assert_trees_close, run_shard_map, run_vmap, worker_grads
 
 import compjax
-from compjax.transforms import dgc_select as select_lib
+from compjax.compressors import selection as select_lib
 from compjax.transforms.dgc import DGCState, dgc
-from compjax.transforms.dgc_select import sample_layout, sampled_threshold_select
+from compjax.compressors.selection import sample_layout, sampled_threshold_select
 
 N = 8
 STEPS = 5
@@ -312,13 +312,15 @@ def test_threshold_is_lowered_into_the_band(iters, accepted):
 
 # The blocked selection (block maxima, compaction on candidate blocks) must give the
 # reference selection (full passes over |x|) entry for entry.  Two sizes: 2**15, and one
-# that is not a multiple of the 64-entry blocks.
+# that is not a multiple of the blocks; two densities: 0.001 (blocks of 64) and 0.01
+# (blocks of 8, no sub-blocks).
 @partial(jax.jit, static_argnames=("k", "iters"))
 def _both_selections(x, offset, k, iters):
     samples, top = select_lib._samples(x, k, offset, 0.01)
     args = (samples, top, k, (0.8, 1.3), iters)
     reference = select_lib._reference_select(jnp.abs(x), *args)
-    blocked = select_lib._blocked_select(x, *args, select_lib._Blocks.of(x))
+    size = select_lib.block_size(x.shape[0], select_lib.band_limits(k, x.shape[0], (0.8, 1.3))[1])
+    blocked = select_lib._blocked_select(x, *args, select_lib._Blocks.of(x, size))
     return reference, blocked
 
 
@@ -339,13 +341,14 @@ def _inputs(draw_kind, rng, d):
 @given(
     seed=st.integers(0, 2**31 - 1),
     kind=st.sampled_from(["gaussian", "ties", "sparse", "cauchy"]),
-    d=st.sampled_from([D, 5000]),
+    d=st.sampled_from([D, 5003]),
+    density=st.sampled_from([0.001, 0.01]),
     offset=st.integers(0, 100),
     iters=st.sampled_from([0, 3]),
 )
-def test_blocked_selection_is_the_reference_selection(seed, kind, d, offset, iters):
+def test_blocked_selection_is_the_reference_selection(seed, kind, d, density, offset, iters):
     x = jnp.asarray(_inputs(kind, np.random.default_rng(seed), d), jnp.float32)
-    k = max(1, d // 1000)
+    k = max(1, round(d * density))
     (ref_idx, ref_n, ref_ok), (idx, n, ok) = _both_selections(x, offset, k=k, iters=iters)
     assert bool(ok) == bool(ref_ok)
     np.testing.assert_array_equal(idx, ref_idx)

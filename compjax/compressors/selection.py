@@ -258,9 +258,13 @@ def _abs_max(rows: jax.Array) -> jax.Array:
 
 
 class _Blocks(NamedTuple):
-    """``x`` as rows of ``size`` entries and the maximum of ``|x|`` over each row."""
+    """``x`` in blocks of ``size`` entries and the maximum of ``|x|`` over each block.
 
-    rows: jax.Array
+    The last block may be short (``d`` need not be a multiple of ``size``);
+    ``x`` is never padded, which would copy it.
+    """
+
+    flat: jax.Array
     maxima: jax.Array
     d: int
     size: int
@@ -268,42 +272,49 @@ class _Blocks(NamedTuple):
     @classmethod
     def of(cls, flat: jax.Array, size: int = _BLOCK) -> _Blocks:
         d = flat.shape[0]
-        count = -(-d // size)
-        rows = jnp.pad(flat, (0, count * size - d)).reshape(count, size)
-        return cls(rows, _abs_max(rows), d, size)
+        if d % size == 0:  # a reshape: the reductions read x in place, at memory speed
+            return cls(flat, _abs_max(flat.reshape(d // size, size)), d, size)
+        # A short last block: windowed reductions (a slice or a pad of x would copy it
+        # first; measured, these cost less, though several times the reshape's).
+        pad = [(0, -d % size)]
+        high = jax.lax.reduce_window(flat, -jnp.inf, jax.lax.max, (size,), (size,), pad)
+        low = jax.lax.reduce_window(flat, jnp.inf, jax.lax.min, (size,), (size,), pad)
+        return cls(flat, jnp.maximum(high, -low), d, size)
 
     def candidates(self, t, capacity: int):
-        """The first ``capacity`` blocks whose maximum reaches ``t``, and the count.
+        """The first ``capacity`` blocks whose maximum reaches ``t``, the count, their entries.
 
-        Returns ``(count, ids)``: ``count(|x| >= t)`` if at most ``capacity``
-        blocks reach ``t``, else the number of those blocks (above
-        ``capacity``, and at most the count); and those blocks in order,
-        ``capacity`` slots (unused ones hold the number of blocks).
+        Returns ``(count, ids, values, index)``: ``count(|x| >= t)`` if at
+        most ``capacity`` blocks reach ``t``, else the number of those blocks
+        (above ``capacity``, and at most the count); those blocks in order,
+        ``capacity`` slots (unused ones hold the number of blocks); and
+        :meth:`entries` of them.
         """
         nb = self.maxima.shape[0]
         active = self.maxima >= t
         ids = _compact(active, jnp.arange(nb), capacity, nb)
         values, index = self.entries(ids)
-        passes = jnp.sum((jnp.abs(values) >= t) & (index < self.d), dtype=jnp.int32)
+        passes = jnp.sum(jnp.abs(values) >= t, dtype=jnp.int32)
         blocks = jnp.sum(active, dtype=jnp.int32)
-        return jnp.where(blocks > capacity, blocks, passes), ids
+        return jnp.where(blocks > capacity, blocks, passes), ids, values, index
 
     def entries(self, ids):
         """The entries of blocks ``ids`` and their flat indices, ``(len(ids), size)`` each
-        (zeros and indices ``>= d`` for ids past the last block)."""
-        values = self.rows.at[ids].get(mode="fill", fill_value=0.0)
-        return values, ids[:, None] * self.size + jnp.arange(self.size, dtype=jnp.int32)
+        (value 0 and index ``d`` past the last entry)."""
+        index = ids[:, None] * self.size + jnp.arange(self.size, dtype=jnp.int32)
+        index = jnp.where(index < self.d, index, self.d)
+        return self.flat.at[index].get(mode="fill", fill_value=0.0), index
 
-    def select(self, t, ids, capacity: int):
+    def select(self, t, values, index, capacity: int):
         """The flat indices of ``|x| >= t`` in order, ``capacity`` slots padded with ``d``.
 
-        ``ids`` are the candidate blocks of :meth:`candidates` for ``t``,
-        which (at most ``capacity`` entries reaching ``t``) hold every entry
-        that does.  Blocks larger than ``_SUB_BLOCK`` are first narrowed to
-        the sub-blocks of ``_SUB_BLOCK`` entries whose maximum reaches ``t``
-        (at most ``capacity`` of them) before the entries are compacted.
+        ``values, index`` are the entries of the candidate blocks of
+        :meth:`candidates` for ``t``, which (at most ``capacity`` entries
+        reaching ``t``) hold every entry that does.  Blocks larger than
+        ``_SUB_BLOCK`` are first narrowed to the sub-blocks of ``_SUB_BLOCK``
+        entries whose maximum reaches ``t`` (at most ``capacity`` of them)
+        before the entries are compacted.
         """
-        values, index = self.entries(ids)
         if self.size > _SUB_BLOCK:
             sub_values = values.reshape(-1, _SUB_BLOCK)
             sub_index = index.reshape(-1, _SUB_BLOCK)
@@ -311,8 +322,7 @@ class _Blocks(NamedTuple):
             ids = _compact(_abs_max(sub_values) >= t, jnp.arange(n_sub), capacity, n_sub)
             values = sub_values.at[ids].get(mode="fill", fill_value=0.0)
             index = sub_index.at[ids].get(mode="fill", fill_value=self.d)
-        passes = (jnp.abs(values) >= t) & (index < self.d)
-        return _compact(passes, index, capacity, self.d)
+        return _compact(jnp.abs(values) >= t, index, capacity, self.d)
 
 
 def _reference_select(mag, samples, top, k, band, max_adaptation_iters):
@@ -352,16 +362,18 @@ def _blocked_select(flat, samples, top, k, band, max_adaptation_iters, blocks):
 
     def body(carry):
         t = carry[0] * band[0]
-        n, ids = blocks.candidates(t, capacity)
-        return t, n, carry[2] + 1, ids
+        n, _, values, index = blocks.candidates(t, capacity)
+        return t, n, carry[2] + 1, values, index
 
     threshold = _kth_largest(samples, top)
-    n, ids = blocks.candidates(threshold, capacity)
-    threshold, n, _, ids = jax.lax.while_loop(cond, body, (threshold, n, 0, ids))
+    n, _, values, index = blocks.candidates(threshold, capacity)
+    threshold, n, _, values, index = jax.lax.while_loop(
+        cond, body, (threshold, n, 0, values, index)
+    )
     accept = (n >= low) & (n <= capacity)
 
     def by_threshold():
-        return blocks.select(threshold, ids, capacity)
+        return blocks.select(threshold, values, index, capacity)
 
     def by_top_k():
         return exact_select(flat, k, capacity).indices
