@@ -416,7 +416,8 @@ def bench_topk_codec(repeats: int, d: int | None = None) -> dict:
     fns = {"copy": partial(copy, x)}
     comps = {s: compjax.top_k(ratio=EF_TOPK_RATIO, select=s) for s in ("exact", "threshold")}
     for name, comp in comps.items():
-        fns[name] = partial(jax.jit(lambda x, comp=comp: comp.decompress(comp.compress(None, x))), x)
+        codec = jax.jit(lambda x, comp=comp: comp.decompress(comp.compress(None, x)))
+        fns[name] = partial(codec, x)
     times = interleaved(fns, repeats)
     thr = comps["threshold"]
     kept = int(jnp.sum(fns["threshold"]() != 0))

@@ -19,8 +19,8 @@ from test_transforms import PARAMS, assert_trees_close, run_shard_map, run_vmap,
 
 import compjax
 from compjax.compressors import selection as select_lib
-from compjax.transforms.dgc import DGCState, dgc
 from compjax.compressors.selection import sample_layout, sampled_threshold_select
+from compjax.transforms.dgc import DGCState, dgc
 
 N = 8
 STEPS = 5
