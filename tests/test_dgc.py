@@ -418,8 +418,6 @@ BAD = [
     ("min_size", {"min_size": 0}),
     ("exchange", {"exchange": "ring"}),
     ("exchange", {"exchange": None}),
-    ("sampled_threshold", {"sampled_threshold": True, "exchange": "scatter_gather"}),
-    ("sampled_threshold", {"sampled_threshold": True, "exchange": compjax.hierarchical("x")}),
 ]
 
 
@@ -447,10 +445,12 @@ def _scatter_gather_run():
     return run_vmap(dgc("data", **SCATTER), GRADS, N)
 
 
-def test_scatter_gather_loses_nothing():
+@pytest.mark.parametrize("sampled", [None, True])
+def test_scatter_gather_loses_nothing(sampled):
     """Without momentum correction, ``n sum_t update + sum_i v_i + sum_j m_j = sum_t,i g_i``,
     through warm-up phases of different top-k ratios sharing the server memory (flatten: 18
-    entries, 3 per shard, 2 then 1 sent per shard)."""
+    entries, 3 per shard, 2 then 1 sent per shard), with the exact top-k per shard or the
+    sampled threshold."""
     tx = dgc(
         "data",
         0.2,
@@ -460,6 +460,7 @@ def test_scatter_gather_loses_nothing():
         min_size=10,
         flatten=True,
         exchange="scatter_gather",
+        sampled_threshold=sampled,
     )
     outs, state = run_vmap(tx, GRADS, N)
     applied = N * sum(updates_as_vectors(o, True)["all"] for o in outs)
