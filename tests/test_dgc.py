@@ -335,12 +335,16 @@ def _inputs(draw_kind, rng, d):
         x[start : start + 200] = rng.standard_normal(200) * 10
         x[rng.integers(0, d, 40)] = rng.standard_normal(40)
         return x
+    if draw_kind == "zeros":  # three non-zero entries: the sample's threshold is 0
+        x = np.zeros(d)
+        x[rng.integers(0, d, 3)] = 1.0
+        return x
     return rng.standard_cauchy(d)  # heavy tails
 
 
 @given(
     seed=st.integers(0, 2**31 - 1),
-    kind=st.sampled_from(["gaussian", "ties", "sparse", "cauchy"]),
+    kind=st.sampled_from(["gaussian", "ties", "sparse", "zeros", "cauchy"]),
     d=st.sampled_from([D, 5003]),
     density=st.sampled_from([0.001, 0.01]),
     offset=st.integers(0, 100),
@@ -357,6 +361,17 @@ def test_blocked_selection_is_the_reference_selection(seed, kind, d, density, of
         assert int(n) > capacity
     else:
         assert int(n) == int(ref_n)
+
+
+def test_blocked_selection_at_a_zero_threshold_keeps_every_entry_once():
+    """k = 4000 of 5003: the capacity is d, so a threshold of 0 (mostly zeros) is accepted
+    and every entry is selected, once, in order; the blocks' slots past the last entry
+    (value 0, also reaching the threshold) are not."""
+    x = jnp.zeros(5003).at[jnp.array([7, 4000])].set(1.0)
+    (ref_idx, ref_n, ref_ok), (idx, n, ok) = _both_selections(x, 0, k=4000, iters=0)
+    assert bool(ok) and bool(ref_ok) and int(n) == int(ref_n) == 5003
+    np.testing.assert_array_equal(idx, np.arange(5003))
+    np.testing.assert_array_equal(idx, ref_idx)
 
 
 def test_communication_reports_the_steady_state_payload():

@@ -210,31 +210,44 @@ def _kth_largest(values: jax.Array, top: int) -> jax.Array:
 def _row_prefix(counts: jax.Array, most: int) -> jax.Array:
     """Exclusive prefix sums of a 2-D array of counts in ``[0, most]``, row-major, as int32.
 
-    Within rows, a product with a triangular matrix of ones (exact in float32:
-    every partial sum stays below ``2**24``); across rows, the same on the row
-    totals, down to ``_PREFIX_ROW`` of them.  ``jnp.cumsum`` over many entries
-    costs XLA on a CPU tens of times a pass over them.
+    Within rows: up to ``_SUB_BLOCK`` columns, running sums column by column
+    (one fused pass); wider rows, a product with a triangular matrix of ones
+    (exact in float32: every partial sum stays below ``2**24``).  Across
+    rows, the same on the row totals, down to ``_PREFIX_ROW`` of them.
+    ``jnp.cumsum`` over many entries costs XLA on a CPU tens of times a pass
+    over them.
     """
     rows, cols = counts.shape
-    upper = jnp.triu(jnp.ones((cols, cols), jnp.float32))
-    within = jnp.matmul(
-        counts.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST
-    ).astype(jnp.int32)
-    totals = within[:, -1]
+    if cols <= _SUB_BLOCK:
+        ints = counts.astype(jnp.int32)
+        running = [jnp.zeros((rows,), jnp.int32)]
+        for j in range(1, cols + 1):
+            running.append(running[-1] + ints[:, j - 1])
+        within, totals = jnp.stack(running[:-1], axis=1), running[-1]
+    else:
+        upper = jnp.triu(jnp.ones((cols, cols), jnp.float32))
+        inclusive = jnp.matmul(
+            counts.astype(jnp.float32), upper, precision=jax.lax.Precision.HIGHEST
+        ).astype(jnp.int32)
+        within, totals = inclusive - counts.astype(jnp.int32), inclusive[:, -1]
     if rows <= _PREFIX_ROW:
         offsets = jnp.cumsum(totals) - totals
     else:
         offsets = _prefix(totals, cols * most)
-    return within - counts.astype(jnp.int32) + offsets[:, None]
+    return within + offsets[:, None]
 
 
-def _prefix(counts: jax.Array, most: int) -> jax.Array:
-    """Exclusive prefix sums of a 1-D array of counts in ``[0, most]``, as int32."""
+def _prefix(counts: jax.Array, most: int, row: int = _PREFIX_ROW) -> jax.Array:
+    """Exclusive prefix sums of a 1-D array of counts in ``[0, most]``, as int32.
+
+    The first level in rows of ``row`` entries, the row totals in rows of
+    ``_PREFIX_ROW``.
+    """
     m = counts.shape[0]
     if m <= _PREFIX_ROW or m * most > _EXACT_F32 or _PREFIX_ROW * most > _EXACT_F32:
         return (jnp.cumsum(counts, dtype=jnp.int32) - counts).astype(jnp.int32)
-    rows = -(-m // _PREFIX_ROW)
-    padded = jnp.pad(counts, (0, rows * _PREFIX_ROW - m)).reshape(rows, _PREFIX_ROW)
+    rows = -(-m // row)
+    padded = jnp.pad(counts, (0, rows * row - m)).reshape(rows, row)
     return _row_prefix(padded, most).reshape(-1)[:m]
 
 
@@ -245,7 +258,7 @@ def _compact(mask: jax.Array, values: jax.Array, size: int, fill: int) -> jax.Ar
     ``fill`` (true entries beyond the first ``size`` are dropped).  ``mask``
     and ``values`` are 1-D, or 2-D with at most ``_BLOCK`` columns.
     """
-    prefix = _prefix(mask, 1) if mask.ndim == 1 else _row_prefix(mask, 1)
+    prefix = _prefix(mask, 1, _SUB_BLOCK) if mask.ndim == 1 else _row_prefix(mask, 1)
     pos = jnp.where(mask, prefix, size).reshape(-1)
     out = jnp.full((size,), fill, jnp.int32)
     return out.at[pos].set(values.reshape(-1).astype(jnp.int32), mode="drop")
@@ -294,14 +307,17 @@ class _Blocks(NamedTuple):
         active = self.maxima >= t
         ids = _compact(active, jnp.arange(nb), capacity, nb)
         values, index = self.entries(ids)
-        passes = jnp.sum(jnp.abs(values) >= t, dtype=jnp.int32)
+        passes = jnp.sum((jnp.abs(values) >= t) & (index < self.d), dtype=jnp.int32)
         blocks = jnp.sum(active, dtype=jnp.int32)
         return jnp.where(blocks > capacity, blocks, passes), ids, values, index
 
     def entries(self, ids):
         """The entries of blocks ``ids`` and their flat indices, ``(len(ids), size)`` each
-        (value 0 and index ``d`` past the last entry)."""
+        (value 0 and an index ``>= d`` past the last entry)."""
         index = ids[:, None] * self.size + jnp.arange(self.size, dtype=jnp.int32)
+        if self.d % self.size == 0:  # whole rows of a reshape (no copy), not single entries
+            rows = self.flat.reshape(-1, self.size)
+            return rows.at[ids].get(mode="fill", fill_value=0.0), index
         index = jnp.where(index < self.d, index, self.d)
         return self.flat.at[index].get(mode="fill", fill_value=0.0), index
 
@@ -322,7 +338,7 @@ class _Blocks(NamedTuple):
             ids = _compact(_abs_max(sub_values) >= t, jnp.arange(n_sub), capacity, n_sub)
             values = sub_values.at[ids].get(mode="fill", fill_value=0.0)
             index = sub_index.at[ids].get(mode="fill", fill_value=self.d)
-        return _compact(jnp.abs(values) >= t, index, capacity, self.d)
+        return _compact((jnp.abs(values) >= t) & (index < self.d), index, capacity, self.d)
 
 
 def _reference_select(mag, samples, top, k, band, max_adaptation_iters):
