@@ -2,8 +2,8 @@
 
 Two worker processes (``tests/multiprocess_worker.py``) join a job on
 127.0.0.1 with gloo CPU collectives, 2 devices each, and run the
-transformations, :func:`compjax.fsdp` steps and :func:`compjax.diloco`'s local steps
-(slow suite) over a 4-device global mesh.
+transformations, :func:`compjax.fsdp` steps, :func:`compjax.diloco`'s local steps and
+0/1 Adam's local rounds (slow suite) over a 4-device global mesh.
 Their updates (and final states) must equal those of the same code on 4
 devices of this process.
 """
@@ -133,8 +133,9 @@ def test_two_processes_match_one(distributed, reference):
     for key in sorted(reference):
         assert distributed[key].dtype == reference[key].dtype, key
         # Adam's step divides nearly cancelling moments by sqrt(v): the gloo sum's order can
-        # move such an update by a few ulps of the learning rate (3.7e-9 seen at lr 0.05).
-        atol = 1e-8 if key.startswith("fsdp_exact/") else 0.0
+        # move such an update by a few ulps of the learning rate (3.7e-9 seen at lr 0.05);
+        # 0/1 Adam's local rounds carry that into params near 1 (5.4e-7, 4.5 ulps, seen).
+        atol = {"fsdp_exact": 1e-8, "zero_one_adam_local": 1e-6}.get(key.split("/")[0], 0.0)
         np.testing.assert_allclose(
             distributed[key], reference[key], rtol=1e-6, atol=atol, err_msg=key
         )
