@@ -320,7 +320,7 @@ def _both_selections(x, offset, k, iters):
     args = (samples, top, k, (0.8, 1.3), iters)
     reference = select_lib._reference_select(jnp.abs(x), *args)
     size = select_lib.block_size(x.shape[0], select_lib.band_limits(k, x.shape[0], (0.8, 1.3))[1])
-    blocked = select_lib._blocked_select(x, *args, select_lib._Blocks.of(x, size))
+    blocked = select_lib._blocked_select(x, *args, select_lib.Blocks.of(x, size))
     return reference, blocked
 
 
