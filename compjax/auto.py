@@ -213,8 +213,15 @@ def auto(
     def with_state(state: AutoState, i: int, s) -> tuple:
         return tuple(s if j == i else old for j, old in enumerate(state.states))
 
+    seen = []  # the last choice array read and its value: after the trial it never changes
+
+    def chosen_index(choice: jax.Array) -> int:
+        if not seen or seen[0] is not choice:
+            seen[:] = [choice, int(_host(choice))]
+        return seen[1]
+
     def step(p, state: AutoState, *batch):
-        chosen = int(_host(state.choice))
+        chosen = chosen_index(state.choice)
         if chosen >= 0:
             p, s, loss = steps[chosen].step(p, state.states[chosen], *batch)
             return p, state._replace(states=with_state(state, chosen, s)), loss
