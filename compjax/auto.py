@@ -39,11 +39,13 @@ trial where it stopped or, once chosen, never times again.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -128,6 +130,10 @@ def agreed_max(mesh: jax.sharding.Mesh) -> Callable[[jax.Array], jax.Array]:
     return jax.jit(jax.shard_map(rows_max, mesh=mesh, in_specs=P(names), out_specs=P()))
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check(candidates, trial_steps, warmup_steps, clock) -> None:
     if not isinstance(candidates, Mapping) or not candidates:
         raise ValueError(
@@ -141,9 +147,9 @@ def _check(candidates, trial_steps, warmup_steps, clock) -> None:
             raise ValueError(
                 f"candidates[{name!r}] must be an optax.GradientTransformation, got {opt!r}"
             )
-    if isinstance(trial_steps, bool) or not isinstance(trial_steps, int) or trial_steps < 1:
+    if not _is_int(trial_steps) or trial_steps < 1:
         raise ValueError(f"trial_steps must be an integer >= 1, got {trial_steps!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+    if not _is_int(warmup_steps) or warmup_steps < 0:
         raise ValueError(f"warmup_steps must be an integer >= 0, got {warmup_steps!r}")
     if not callable(clock):
         raise ValueError(f"clock must be a callable returning seconds, got {clock!r}")
@@ -191,16 +197,18 @@ def auto(
         ``optax.GradientTransformation``, ``trial_steps < 1``, ``warmup_steps < 0``, a
         ``clock`` that is not callable, or ``axis_name`` not an axis of ``mesh``.
 
-    References:
-      The choice is measured where :func:`compjax.advise` predicts: the cost model and the
-      crossover bandwidths of the compressed methods are in docs/benchmarks.md.
+    See also:
+      :func:`compjax.advise`, which predicts from a cost model what :func:`auto` measures
+      (docs/benchmarks.md).
     """
     _check(candidates, trial_steps, warmup_steps, clock)
     names = tuple(candidates)
     steps = [data_parallel(loss_fn, candidates[n], params, mesh, axis_name) for n in names]
+    trial_steps, warmup_steps = int(trial_steps), int(warmup_steps)
     per = warmup_steps + trial_steps
     length = len(names) * per
     agree = agreed_max(mesh)
+    replicated = jax.NamedSharding(mesh, P())
 
     def init(p) -> AutoState:
         return AutoState(
@@ -226,6 +234,10 @@ def auto(
             p, s, loss = steps[chosen].step(p, state.states[chosen], *batch)
             return p, state._replace(states=with_state(state, chosen, s)), loss
         t = int(_host(state.trial_step))
+        # typed and placed as every step returns them (strong types, replicated on the mesh):
+        # the first step's params (weakly typed or uncommitted arrays, often) would otherwise
+        # compile the first candidate a second time, in a timed step
+        p = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, x.dtype), p), replicated)
         i, k = divmod(t, per)
         if k < warmup_steps:
             p, s, loss = steps[i].step(p, state.states[i], *batch)
