@@ -266,7 +266,7 @@ def test_packed_layout_matches_its_transcription(width, per_word):
     """Fields land where pack_fields' docstring says (planar groups when per_word is not a
     power of two), for sizes around the group boundaries; unpack inverts pack; the words
     of unit-aligned spans are the whole array's stretches (what buckets in pieces need)."""
-    from compjax.compressors.int_quant import GROUP_WORDS, pack_fields, packing_unit, unpack_fields
+    from compjax.packing import GROUP_WORDS, pack_fields, packing_unit, unpack_fields
 
     unit = packing_unit(per_word)
     rng = np.random.default_rng(7)
