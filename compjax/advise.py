@@ -90,6 +90,10 @@ def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformatio
         "EF top-k 1%": lambda: compjax.error_feedback(
             compjax.top_k(ratio=0.01), AXIS, exchange=exchange
         ),
+        # DGC's sampled threshold: 1.3x the exact message's slots, a fraction of its codec.
+        "EF top-k 1%, threshold": lambda: compjax.error_feedback(
+            compjax.top_k(ratio=0.01, select="threshold"), AXIS, exchange=exchange
+        ),
         "PowerSGD rank 4": lambda: compjax.powersgd(4, AXIS),
         "sign vote": lambda: compjax.sign_majority_vote(AXIS, via=via),
     }
