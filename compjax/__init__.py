@@ -7,6 +7,7 @@ theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 
 from compjax import collectives, dct, exchange, hadamard, nnx, sharded
 from compjax.accounting import CommunicationReport, communication
+from compjax.auto import Auto, AutoReport, AutoState, auto
 from compjax.collectives import worker_params
 from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
@@ -62,6 +63,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FSDP",
+    "Auto",
+    "AutoReport",
+    "AutoState",
     "CommunicationReport",
     "CompressState",
     "Compressor",
@@ -87,6 +91,7 @@ __all__ = [
     "ZeroOneAdamState",
     "atomo",
     "atomo_svd",
+    "auto",
     "blockwise",
     "cast",
     "chain",

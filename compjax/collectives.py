@@ -22,155 +22,38 @@ Under ``shard_map`` the gathered payloads are marked replicated
 Bits: while a :func:`recording` context is open, every message a worker sends
 is logged with its :func:`compjax.wire_bits` (trace time, from the payload
 arrays themselves).
+
+What is not a collective lives below this module and is re-exported here:
+the axes (names, sizes, this worker's index: :mod:`compjax.axes`), the bits
+log (:func:`recording`, :func:`record`: :mod:`compjax.recording`) and the
+checks that values are each worker's own (:func:`worker_params`,
+:func:`check_worker_local`, :func:`check_local_loss`: :mod:`compjax.worker_local`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.payload import wire_bits
-
-AxisName = str | tuple[str, ...] | None
-
-_LOG: contextvars.ContextVar[list | None] = contextvars.ContextVar("compjax_bits", default=None)
-_ROUND: contextvars.ContextVar[list | None] = contextvars.ContextVar("compjax_round", default=None)
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[tuple[object, list[tuple[str, int]]]]]:
-    """Log the messages sent while tracing inside the context.
-
-    The log is a list of ``(owner, messages)`` rounds, ``messages`` being
-    ``(kind, bits)`` pairs; a round is one call of an update marked with
-    :func:`exchange_round` (``owner`` identifies the transformation), and a
-    collective called outside any round forms a round of its own
-    (``owner=None``).  Each round's list also has ``routes``: ``(kind, via,
-    axes)`` of every message, ``via`` the collective that carries it
-    (:data:`ROUTES`) and ``axes`` the mesh axes it crosses.
-    """
-    log: list = []
-    token = _LOG.set(log)
-    try:
-        yield log
-    finally:
-        _LOG.reset(token)
-
-
-@contextlib.contextmanager
-def exchange_round(owner: object) -> Iterator[None]:
-    """Group the messages sent inside into one round of ``owner``."""
-    log = _LOG.get()
-    if log is None:
-        yield
-        return
-    messages = _Round()
-    log.append((owner, messages))
-    token = _ROUND.set(messages)
-    try:
-        yield
-    finally:
-        _ROUND.reset(token)
-
-
-_QUIET: contextvars.ContextVar[bool] = contextvars.ContextVar("compjax_quiet", default=False)
-
-
-@contextlib.contextmanager
-def unrecorded() -> Iterator[None]:
-    """Do not log messages sent inside (e.g. a warm-up branch that is not the steady state)."""
-    token = _QUIET.set(True)
-    try:
-        yield
-    finally:
-        _QUIET.reset(token)
-
-
-#: The collectives a message can travel by (``record``'s ``via``).
-ROUTES = ("all_reduce", "all_gather", "all_to_all", "reduce_scatter")
-
-
-class _Round(list):
-    """One round's ``(kind, bits)`` messages, with their ``routes`` alongside."""
-
-    def __init__(self):
-        super().__init__()
-        self.routes: list[tuple[str, str, tuple[str, ...]]] = []
-
-
-def record(what: str, message, via: str, axis_name: AxisName) -> None:
-    """Log that this worker sends ``message`` (an array or payload) in this round.
-
-    Every function here records what it sends; a transformation that builds a
-    message of its own (and sends it with :func:`all_gather` or :func:`psum`)
-    records it with this.
-
-    Args:
-      what: the message's kind (``"payload"``, ``"flag"``, ...).
-      message: what this worker puts in the collective.
-      via: the collective, one of :data:`ROUTES` (a ``pmax`` is an all-reduce).
-      axis_name: the axes it crosses.
-    """
-    log = _LOG.get()
-    if log is None or _QUIET.get():
-        return
-    if via not in ROUTES:
-        raise ValueError(f"via must be one of {ROUTES}, got {via!r}")
-    current = _ROUND.get()
-    if current is None:
-        current = _Round()
-        log.append((None, current))
-    current.append((what, wire_bits(message)))
-    current.routes.append((what, via, _names(axis_name)))
-
-
-def _names(axis_name: AxisName) -> tuple[str, ...]:
-    if axis_name is None:
-        return ()
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
-
-
-class UnboundAxisError(ValueError):
-    """An axis name that is not bound where a collective runs (``axis`` names it)."""
-
-    def __init__(self, message: str, axis: str):
-        super().__init__(message)
-        self.axis = axis
-
-
-def num_workers(axis_name: AxisName) -> int:
-    """Number of workers along ``axis_name`` (1 for ``None``).
-
-    Raises:
-      UnboundAxisError: (a ``ValueError``) the axis name is not bound here
-        (not inside ``pmap``, ``shard_map`` or ``vmap`` with that name).
-    """
-    size = 1
-    for name in _names(axis_name):
-        try:
-            size *= jax.lax.axis_size(name)
-        except NameError as err:
-            raise UnboundAxisError(
-                f"axis_name {name!r} is not bound: call the update inside jax.pmap, "
-                f"jax.shard_map or jax.vmap over an axis named {name!r} "
-                f"(or pass axis_name=None for a single worker)",
-                name,
-            ) from err
-    return size
-
-
-def worker_index(axis_name: AxisName) -> jax.Array:
-    """This worker's index along ``axis_name`` (0 for ``None``)."""
-    if axis_name is None:
-        return jnp.int32(0)
-    num_workers(axis_name)  # clear error for an unbound name
-    return jax.lax.axis_index(_names(axis_name))
+from compjax.axes import AxisName as AxisName
+from compjax.axes import UnboundAxisError as UnboundAxisError
+from compjax.axes import axis_names as _names
+from compjax.axes import bound_names as _bound_names
+from compjax.axes import gather_target as _gather_target
+from compjax.axes import num_workers as num_workers
+from compjax.axes import varying as _varying
+from compjax.axes import worker_index as worker_index
+from compjax.recording import ROUTES as ROUTES
+from compjax.recording import exchange_round as exchange_round
+from compjax.recording import record as record
+from compjax.recording import recording as recording
+from compjax.recording import unrecorded as unrecorded
+from compjax.worker_local import check_local_loss as check_local_loss
+from compjax.worker_local import check_worker_local as check_worker_local
+from compjax.worker_local import worker_params as worker_params
 
 
 def worker_key(key: jax.Array, axis_name: AxisName) -> jax.Array:
@@ -178,120 +61,6 @@ def worker_key(key: jax.Array, axis_name: AxisName) -> jax.Array:
     if axis_name is None:
         return key
     return jax.random.fold_in(key, worker_index(axis_name))
-
-
-def _gather_target(axis_name: AxisName) -> str:
-    # Under shard_map (and pmap) the axes are manual: mark the gathered result
-    # replicated so that callers can return it with out_specs=P().
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return "invarying" if set(_names(axis_name)) <= manual else "varying"
-
-
-def _tracks_variation(name: str) -> bool:
-    """Whether values here carry the manual axes they vary over (``shard_map`` with
-    ``check_vma=True``); ``pmap`` and ``check_vma=False`` do not."""
-    return name in jax.typeof(jax.lax.axis_index(name)).manual_axis_type.varying
-
-
-def check_worker_local(arrays, axis_name: AxisName) -> None:
-    """Refuse a gradient that is already reduced over the workers, or an untyped 2-D mesh.
-
-    Under ``shard_map`` (``check_vma=True``, the default) every value knows
-    the mesh axes it varies over.  A worker's own gradient varies over
-    ``axis_name``; the gradient of a replicated (``P()``) input does not,
-    because JAX's autodiff has already summed it over the workers, and a
-    compressed exchange of it would be ``n`` times too large and save
-    nothing.  Under ``check_vma=False`` nothing can be told, which is
-    harmless on a mesh of the data axes alone but not with other axes (a
-    model axis): refused.  Under ``vmap`` and ``pmap`` gradients are local.
-
-    Raises:
-      ValueError: a leaf does not vary over an axis of ``axis_name`` (the
-        message names it and ``compjax.worker_params``), or ``check_vma=False``
-        on a mesh with axes besides ``axis_name``.
-    """
-    names = _bound_names(axis_name)
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    if not names or not set(names) <= manual:
-        return
-    if not _tracks_variation(names[0]):
-        others = sorted(manual - set(names))
-        if others:
-            raise ValueError(
-                f"shard_map with check_vma=False over a mesh with axes {others} besides "
-                f"axis_name {axis_name!r}: compjax cannot tell which values vary over them "
-                f"(leaves sharded over {others[0]!r} would take wrong steps); use "
-                f"check_vma=True, the default"
-            )
-        return
-    for leaf in arrays:
-        varying = _varying(leaf)
-        missing = [a for a in names if a not in varying]
-        if missing:
-            raise ValueError(
-                f"the gradient does not vary over axis {missing[0]!r}: it is already summed "
-                f"over the workers (under shard_map, the gradient of a replicated input is), "
-                f"so compressing it would apply it {num_workers(missing[0])} times over and "
-                f"save nothing. Differentiate compjax.worker_params(params, {axis_name!r}) "
-                f"instead of params, so each worker keeps its own gradient (with Flax NNX: "
-                f"compjax.nnx.value_and_grad(loss_fn, {axis_name!r}) in place of "
-                f"nnx.value_and_grad or nnx.grad)"
-            )
-
-
-def check_local_loss(loss, axis_name: AxisName) -> None:
-    """Refuse a loss already reduced over the workers (a ``pmean`` inside the loss).
-
-    Under ``shard_map`` (``check_vma=True``) each worker's loss of its own
-    params (:func:`worker_params`) varies over ``axis_name``.  A loss that
-    does not was reduced over the workers inside the loss function: the
-    gradient of ``pmean(loss)`` is each worker's gradient divided by ``n``,
-    so the step would be ``1/n`` of the intended one, silently.  Nothing is
-    checked under ``pmap``, ``vmap`` or ``check_vma=False``.
-
-    Raises:
-      ValueError: a leaf of ``loss`` does not vary over an axis of ``axis_name``.
-    """
-    names = _bound_names(axis_name)
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    if not names or not set(names) <= manual or not _tracks_variation(names[0]):
-        return
-    for leaf in jax.tree.leaves(loss):
-        missing = [a for a in names if a not in _varying(leaf)]
-        if missing:
-            raise ValueError(
-                f"the loss does not vary over axis {missing[0]!r}: it is already reduced over "
-                f"the workers (a jax.lax.pmean or psum inside the loss function), so its "
-                f"gradient is each worker's divided by {num_workers(missing[0])} (pmean) and "
-                f"the step would be that much too small. Return this worker's local loss, "
-                f"and pmean the reported loss outside the gradient"
-            )
-
-
-def worker_params(tree, axis_name: AxisName):
-    """This worker's own copy of replicated ``tree`` (params), to differentiate.
-
-    Under ``shard_map`` the gradient with respect to a replicated (``P()``)
-    input is summed over the workers by JAX's autodiff, so
-    ``jax.grad(loss)(params, local_batch)`` is already the *sum* of every
-    worker's gradient and a compressor would compress the reduced gradient.
-    Differentiating ``worker_params(params, axis_name)`` instead gives each
-    worker its own local gradient, which compjax then exchanges.  Under
-    ``pmap`` and ``vmap`` the gradient is local anyway and this returns the
-    tree as it is.
-    """
-    if axis_name is None:
-        return tree
-    names = _bound_names(axis_name)  # a misspelled axis raises, as everywhere
-    if _gather_target(axis_name) == "varying":
-        return tree
-    return jax.tree.map(lambda x: jax.lax.pcast(x, names, to="varying"), tree)
-
-
-def _bound_names(axis_name: AxisName) -> tuple[str, ...]:
-    """The names of ``axis_name``, after checking each is bound (clear error if not)."""
-    num_workers(axis_name)
-    return _names(axis_name)
 
 
 def all_gather(tree, axis_name: AxisName):
@@ -451,11 +220,6 @@ def any_worker(flag: jax.Array, axis_name: AxisName) -> jax.Array:
     names = _names(axis_name)
     extra = tuple(sorted(_varying(flag) - set(names)))
     return pmax(flag, names + extra) > 0
-
-
-def _varying(x: jax.Array) -> set[str]:
-    """The manual mesh axes ``x`` varies over (empty outside ``shard_map``'s typing)."""
-    return set(jax.typeof(x).manual_axis_type.varying)
 
 
 def shared_max(x: jax.Array, axis_name: AxisName) -> jax.Array:

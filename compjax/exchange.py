@@ -26,24 +26,14 @@ takes one as ``exchange=``; the default is ``"all_gather"``):
   all-gathered over the fast axis.  Only the slow link carries compressed
   messages.
 
-The second compression of ``"scatter_gather"``.  Worker ``j`` holds
-``S_j = sum_i C_1(x_i^j)`` and sends ``C_2(S_j + m_j)``:
-
-* for an **unbiased** compressor ``m_j = 0`` and the mean stays unbiased.  Its
-  exact variance, for independent first-stage draws, is
-
-      E||mean - x_bar||^2 = (1/n^2) [ sum_i V_1(x_i) + E V_2(S) ],
-
-  with ``V(y) = E||C(y) - y||^2`` the compressor's own variance on ``y``
-  (summed over shards).  With ``V(y) <= omega ||y||^2`` this is at most
-  ``(1/n^2) [ (1 + omega_2) omega_1 sum_i ||x_i||^2 + omega_2 ||sum_i x_i||^2 ]``,
-  with equality for compressors whose variance is exactly ``omega ||y||^2``
-  (random-k): :func:`two_stage_variance` and ``proofs_checks/two_stage.py``.
-* for a **biased** compressor the shard's owner keeps an error memory ``m_j``
-  (DoubleSqueeze, Tang et al. 2019): ``m_j <- S_j + m_j - C_2(S_j + m_j)``, so
-  nothing is lost: what is applied plus the memories equals what was sent.
+How each flat exchange travels, and the second compression of
+``"scatter_gather"`` (its error memory for a biased compressor, its exact
+variance for an unbiased one: :func:`two_stage_variance`), are
+:mod:`compjax.flat_exchange`; this module chooses among them.
 
 ``Exchanged.local`` is this worker's part of the exchange, defined so that
+(``S_j`` the first-stage sum of shard ``j`` and ``m_j`` its owner's memory,
+as in :mod:`compjax.flat_exchange`)
 ``sum_i local_i + sum_j m_j(before) = n mean + sum_j m_j(after)`` holds
 exactly: the decoded own message, plus (unbiased scatter-gather, no memory)
 the second-stage residual ``C_2(S_j) - S_j`` of the shard it owns, and
@@ -78,12 +68,14 @@ import jax.numpy as jnp
 from compjax import collectives
 from compjax.collectives import AxisName, num_workers, record, worker_index
 from compjax.compressor import Compressor
+from compjax.flat_exchange import gathered_mean, scatter_gathered, summed_mean
+from compjax.flat_exchange import two_stage_bound as two_stage_bound
+from compjax.flat_exchange import two_stage_variance as two_stage_variance
 from compjax.numerics import to_dtype
-from compjax.overflow import mean_without_overflow, rescaled_if_overflow
+from compjax.overflow import rescaled_if_overflow
 from compjax.pieces import Pieces, split
 from compjax.scatter import (
     block_of,
-    decoded_sum,
     linear_scatter,
     padded_to,
     placed_block,
@@ -240,23 +232,11 @@ def _exchanged_pieces(comp, key, pieces: Pieces, names, fast, kind, memory) -> E
         out = _exchanged(comp, key, pieces.join(), names, fast, kind, memory, guard=True)
         return Exchanged(split(out.mean, sizes), split(out.local, sizes), out.memory)
     if summable(comp):
-        mean, local = _summed(comp, key, pieces, names, n)
+        mean, local = summed_mean(comp, key, pieces, names, n)
     else:
-        mean, local = _gathered(comp, key, pieces, names, n)
+        mean, local = gathered_mean(comp, key, pieces, names, n)
     as_pieces = lambda a: split(to_dtype(a, pieces.dtype), sizes)  # noqa: E731
     return Exchanged(mean=as_pieces(mean), local=as_pieces(local), memory=memory)
-
-
-def _compress(comp, key, x):
-    """``comp``'s payload of an array, or of a flat array in pieces."""
-    return comp.compress_pieces(key, x) if isinstance(x, Pieces) else comp.compress(key, x)
-
-
-def _times(x, scale: float):
-    """``x * scale`` in ``x``'s dtype (for a flat array in pieces, piece by piece)."""
-    if isinstance(x, Pieces):
-        return Pieces(tuple(s * jnp.asarray(scale, s.dtype) for s in x.sources), x.ranges, x.dtype)
-    return x * jnp.asarray(scale, x.dtype)
 
 
 def _exchanged(comp, key, x, names, fast, kind, memory, guard):
@@ -277,13 +257,13 @@ def _exchanged(comp, key, x, names, fast, kind, memory, guard):
             lambda xs, ms: _hierarchical(comp, key, xs, ms, slow, fast, kind), x, memory, n
         )
     elif summable(comp):
-        mean, local = _summed(comp, key, x.reshape(-1), names, n, guard)
+        mean, local = summed_mean(comp, key, x.reshape(-1), names, n, guard)
     elif comp.linear or kind == "all_gather":
-        mean, local = _gathered(comp, key, x, names, n, guard)
+        mean, local = gathered_mean(comp, key, x, names, n, guard)
     else:
         flat_memory = None if memory is None else memory.reshape(-1)
         mean, local, memory = guarded(
-            lambda xs, ms: _scatter_gather(comp, key, xs, ms, names, n),
+            lambda xs, ms: scatter_gathered(comp, key, xs, ms, names, n),
             x.reshape(-1),
             flat_memory,
             n,
@@ -300,83 +280,6 @@ def _unguarded(run, x, memory, n):
     """``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory)``, unguarded."""
     total, local, memory = run(x, memory)
     return total / n, local, memory
-
-
-def _gathered(comp, key, x, names, n, guard=True):
-    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own decoded)``."""
-    if comp.linear:
-
-        def summed(scale):
-            payload = _compress(comp, key, x if scale == 1.0 else _times(x, scale))
-            record("payload", payload, "all_reduce", names)
-            total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
-            return comp.decompress(total).astype(jnp.float32), payload
-
-        total, payload = summed(1.0)
-        if not guard:
-            return total / n, comp.decompress(payload)
-        # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
-        return mean_without_overflow(total, lambda s: summed(s)[0], n), comp.decompress(payload)
-    payload = _compress(comp, collectives.worker_key(key, names), x)
-    record("payload", payload, "all_gather", names)
-    gathered = collectives.all_gather(payload, names)
-    total = decoded_sum(comp, gathered, n)
-    if not guard:
-        return total / n, comp.decompress(payload)
-    return mean_without_overflow(
-        total, lambda s: decoded_sum(comp, gathered, n, s), n
-    ), comp.decompress(payload)
-
-
-def _summed(comp, key, flat, names, n, guard=True):
-    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``.
-
-    A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
-    signs from ``key``, which all workers share: the rotation is linear, so
-    the summed codes are unrotated once.  ``flat`` may be in
-    :class:`compjax.pieces.Pieces`, which the summable protocol's
-    ``rotate_in``, ``scale_of`` and ``encode_words`` take.
-    """
-    d = flat.shape[0]
-    flat = comp.rotate_in(key, flat)
-    scale = collectives.pmax(comp.scale_of(flat), names)
-    record("scale", scale, "all_reduce", names)
-    words = comp.encode_words(collectives.worker_key(key, names), flat, scale, n)
-    record("payload", words, "all_reduce", names)
-    m = flat.shape[0]
-    summed = collectives.psum(words, names)
-    total = comp.decode_words(summed, scale, n, n, m)
-    mean = (
-        mean_without_overflow(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
-        if guard
-        else total / n
-    )
-    own = comp.decode_words(words, scale, 1, n, m)
-    return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d)
-
-
-def _scatter_gather(comp, key, flat, memory, names, n):
-    """Compressed all-reduce of a flat array: ``(sum over workers, local, new memory)``.
-
-    See the module docstring: shards compressed and all-to-all-ed, decoded
-    and summed by their owner (:func:`compjax.scatter.scatter`), compressed again (with the
-    owner's memory for a biased compressor) and all-gathered.
-    """
-    d = flat.shape[0]
-    if d == 0:
-        return jnp.zeros((0,), jnp.float32), flat, memory
-    me = worker_index(names)
-    first_key, second_key = jax.random.split(key)
-    mine, own = scatter(comp, first_key, flat, names, n)
-    target = mine if memory is None else mine + block_of(memory, me, n).astype(jnp.float32)
-    second = comp.compress(jax.random.fold_in(second_key, me), target.astype(flat.dtype))
-    record("gather", second, "all_gather", names)
-    sent = comp.decompress(second).astype(jnp.float32)
-    gathered = collectives.all_gather(second, names)
-    total = jax.vmap(comp.decompress)(gathered).astype(jnp.float32).reshape(-1)[:d]
-    if memory is not None:
-        return total, own, placed_block(target - sent, me, n, d)
-    return total, own + placed_block(sent - mine, me, n, d), None
 
 
 def compressed_reduce_scatter(
@@ -474,28 +377,3 @@ def _hierarchical(comp, key, x, memory, slow, fast, kind):
     )
     new_memory = None if inner_memory is None else placed_block(inner_memory, k, n_fast, d)
     return total, local, new_memory
-
-
-def two_stage_variance(first: list[float], second: float, n: int) -> float:
-    """Exact variance of the scatter-gather mean, from the stages' own variances.
-
-    Args:
-      first: ``V_1(x_i) = E||C_1(x_i) - x_i||^2`` for each worker ``i``
-        (summed over its shards).
-      second: ``E V_2(S)``, the expected second-stage variance on the summed
-        shards ``S`` (summed over shards).
-      n: number of workers.
-
-    Returns:
-      ``E||mean - x_bar||^2 = (sum_i V_1(x_i) + E V_2(S)) / n^2``.
-    """
-    return (sum(first) + second) / n**2
-
-
-def two_stage_bound(sq_norms: list[float], sq_norm_sum: float, omega1: float, omega2: float):
-    """The bound ``((1 + omega_2) omega_1 sum_i ||x_i||^2 + omega_2 ||sum_i x_i||^2) / n^2``.
-
-    Exact when each stage's variance is exactly ``omega ||y||^2`` (random-k).
-    """
-    n = len(sq_norms)
-    return ((1 + omega2) * omega1 * sum(sq_norms) + omega2 * sq_norm_sum) / n**2

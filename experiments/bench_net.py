@@ -31,7 +31,8 @@ What is measured, all in one run:
 Writes ``results/bench_net.json`` (every raw time, the traffic, the compiled
 collectives, the machine), ``results/bench_net.md`` (the tables and the
 GOAL lines) and ``results/bench_net.png`` (measured speedups over the
-predicted curves).  A full run (not ``--quick``) copies the three to
+predicted curves).  A full run (not ``--quick``, and every rate, process count
+and method) copies the three to
 ``paper_figs/out/fig9_measured.{json,md,png}``: the committed measurements
 that ``make figures`` draws into figure 9 and its section.
 
@@ -243,7 +244,8 @@ def main(argv=None) -> int:
     png = out / "bench_net.png"
     bench_net_report.figure(res, report, png)
     copies = ""
-    if not args.quick:  # the committed measurements (figure 9's) are the full run's
+    # The committed measurements (figure 9's) are a full run's: every rate, count and method.
+    if not args.quick and not (args.rates or args.workers or args.methods):
         FIGURE_COPY.parent.mkdir(parents=True, exist_ok=True)
         for suffix in (".json", ".md", ".png"):
             shutil.copyfile(

@@ -17,6 +17,7 @@ EXTRA_SPECS = (
     "qsgd(levels=1000)",
     "rand_k(k=1)",
     "top_k(k=1)",
+    "top_k(ratio=0.1, select='threshold')",
     "chain(rand_k(ratio=0.5, shared_seed=True), natural())",
     "chain(top_k(ratio=0.5), cast('bfloat16'))",
     "blockwise(top_k(ratio=0.5), 3)",

@@ -109,7 +109,8 @@ def fsdp_cases() -> dict[str, dict]:
 #: compjax.diloco's cases (slow suite only): inner SGD on each worker's own params, the
 #: paper's outer Nesterov step every ``DILOCO_H`` steps (``STEPS`` holds a sync), with the
 #: exact mean, with unbiased integer codes summed as integers, and with top-k and an error
-#: memory per worker.  They train the fsdp cases' model on the same batches.
+#: memory per worker; and 0/1 Adam's local rounds.  They train the fsdp cases' model on the
+#: same batches.
 DILOCO_H = 2
 
 
@@ -124,6 +125,10 @@ def diloco_cases() -> dict[str, optax.GradientTransformation]:
         "diloco_nesterov": diloco(),
         "diloco_int_quant": diloco(compressor=compjax.int_quant(8)),
         "diloco_top_k_ef": diloco(compressor=compjax.top_k(ratio=0.3)),
+        # 0/1 Adam's local rounds: the variance frozen after step 0, then rounds of 2 steps.
+        "zero_one_adam_local": compjax.zero_one_adam(
+            0.05, AXIS, var_freeze_step=1, local_step_scaler=1, local_step_clipper=2
+        ),
     }
 
 

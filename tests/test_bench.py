@@ -110,6 +110,23 @@ def _result(copy, compress, decompress, sampled, exact, step, plain, counts):
             "counts": counts,
             "fallbacks": [False] * len(counts),
         },
+        "topk_codec": {
+            "d": 25557032,
+            "k": 255570,
+            "band": [204456, 332241],
+            "kept": {"exact": 255570, "threshold": 260000, "chunked_top_k(32, 4096)": 199680},
+            "median_s": {
+                "copy": copy,
+                "exact": exact,
+                "threshold": 3 * sampled,
+                "chunked_top_k(32, 4096)": 4 * copy,
+            },
+            "ratio": {
+                "exact": exact / copy,
+                "threshold": 3 * sampled / copy,
+                "chunked_top_k(32, 4096)": 4.0,
+            },
+        },
         "step": {
             "workers": 8,
             "widths": [4, 2],
@@ -138,13 +155,16 @@ def test_goals_are_met_exactly_up_to_their_bounds(scale):
     for r in rows:
         by_group.setdefault(r["group"], []).append(r["met"])
     assert by_group["roofline"] == [scale == 1.0]
-    assert by_group["top-k"] == [scale == 1.0, scale == 1.0]
+    # DGC's speedup and count; the EF top-k codec exact (5x the copy) and by threshold.
+    assert by_group["top-k"] == [scale == 1.0, scale == 1.0, False, scale == 1.0]
     assert by_group["step"] == [scale == 1.0]
     assert by_group["pytorch"] == [False, False]  # did not run: never counted as met
     table = bench.markdown(res, rows)
     if scale != 1.0:
         assert "MISSED (2.20x)" in table  # the roofline ratio
-    assert table.count("\n| ") == 1 + len(rows)  # the header and one line per goal
+    # The header and one line per goal; then the header and SparseLoCo's codec, no goal.
+    assert table.count("\n| ") == 1 + len(rows) + 2
+    assert "SparseLoCo codec, chunked_top_k(32, 4096)" in table.split("no goal:", 1)[1]
 
 
 def test_a_multi_line_error_note_stays_in_its_table_row():
@@ -178,6 +198,7 @@ def test_quick_run_writes_every_section(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "bench.json").read_text())
     sections = ("roofline", "roofline_tree", "roofline_buckets", "hadamard", "memory", "topk")
+    sections += ("topk_codec",)
     for section in (*sections, "step"):
         assert "error" not in res[section], res[section]
     for section in (*bench.ROOFLINE_PARTS, "memory"):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import apply, assert_mean_error, draw
+from helpers import apply, assert_mean_error, draw, roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
 from test_unbiased import D, qsgd_variance, vectors
@@ -120,3 +120,73 @@ def test_scaled_unbiased_is_contractive_with_one_over_omega_plus_one():
     assert_mean_error(draws, x, (1 - comp.delta(64)) * sq(x))
     # And the variance of the inner draws is what the scaling relies on.
     assert np.isclose(qsgd_variance(x, 4).sum(), omega * sq(x))
+
+
+# -- top_k(select="threshold"): DGC's sampled threshold ------------------------------------
+# One shape (d = 4096, k = 205, band [164, 266]) so that every test compiles once.  The
+# strided sample: every 99th entry from 0 (41 samples); the threshold starts at the 3rd
+# largest sampled magnitude.
+TD = 4096
+THRESHOLD = compjax.top_k(ratio=0.05, select="threshold")
+EXACT = compjax.top_k(ratio=0.05)
+K_LO, K_HI = THRESHOLD.count_band(TD)
+SAMPLED = 99 * np.arange(41)
+
+
+def roundtrip_threshold(x):
+    payload, y = roundtrip(THRESHOLD, None, jnp.asarray(x, jnp.float32))
+    return np.asarray(payload.wire["indices"]), np.asarray(payload.wire["values"]), np.asarray(y)
+
+
+def test_threshold_band_and_delta_are_k_lo():
+    assert (THRESHOLD.k_for(TD), K_LO, K_HI) == (205, 164, 266)
+    assert THRESHOLD.delta(TD) == K_LO / TD
+    assert THRESHOLD.bits((TD,)) == K_HI * 64  # the slots, padding included
+    assert EXACT.count_band(TD) == (205, 205) and EXACT.delta(TD) == 205 / TD
+
+
+def test_threshold_contraction_is_tight_at_k_lo():
+    """k_lo entries barely above the rest, three of them sampled: the threshold lands on
+    them, exactly k_lo entries pass (in the band, so no fallback), and the error is within
+    8e-5 of (1 - k_lo/d) ||x||^2: delta = (k_lo + 1)/d would already fail."""
+    rng = np.random.default_rng(5)
+    big = np.concatenate(
+        [SAMPLED[:3], rng.choice(np.setdiff1d(np.arange(TD), SAMPLED), K_LO - 3, replace=False)]
+    )
+    x = np.ones(TD)
+    x[big] = 1.001
+    x *= rng.choice([-1.0, 1.0], TD)
+    idx, _, y = roundtrip_threshold(x)
+    assert np.count_nonzero(idx < TD) == K_LO  # the threshold's selection, not the top-k
+    err, total = sq(y - x), sq(x)
+    assert err <= (1 - THRESHOLD.delta(TD)) * total * (1 + 1e-7)
+    assert err > (1 - (K_LO + 1) / TD) * total
+
+
+def test_threshold_equals_exact_top_k_when_exactly_k_pass():
+    """The k largest magnitudes 10.00, 10.01, ...; the three smallest are the sample's
+    largest, so the threshold is 10 and exactly k entries reach it."""
+    rng = np.random.default_rng(6)
+    k = EXACT.k_for(TD)
+    others = rng.permutation(np.setdiff1d(np.arange(TD), SAMPLED))[: k - 3]
+    x = rng.uniform(-1, 1, TD)
+    x[np.concatenate([SAMPLED[:3], others])] = (10 + 0.01 * np.arange(k)) * rng.choice([-1, 1], k)
+    idx, values, y = roundtrip_threshold(x)
+    assert np.count_nonzero(idx < TD) == k
+    np.testing.assert_array_equal(y, np.asarray(apply(EXACT, KEY, jnp.asarray(x, jnp.float32))))
+    assert np.all(idx[k:] == TD) and np.all(values[k:] == 0)  # padded slots
+
+
+@given(x=vectors(TD))
+def test_threshold_count_in_band_top_set_and_contraction(x):
+    idx, values, y = roundtrip_threshold(x)
+    x32 = np.asarray(x, np.float32).astype(np.float64)
+    used = idx < TD
+    count = int(used.sum())
+    assert K_LO <= count <= K_HI and idx.shape == (K_HI,)
+    assert len(set(idx[used])) == count and np.all(values[~used] == 0)
+    np.testing.assert_array_equal(values[used], x32[idx[used]])
+    kept = np.zeros(TD, bool)
+    kept[idx[used]] = True
+    assert np.abs(x32[~kept]).max() <= np.abs(x32[kept]).min()  # the count largest
+    assert sq(y - x32) <= (1 - THRESHOLD.delta(TD)) * sq(x32) * (1 + 1e-6)

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from test_transforms import PARAMS, assert_trees_close, run_shard_map, run_vmap, worker_grads
 
 import compjax
-from compjax.transforms import dgc_select as select_lib
+from compjax.compressors import selection as select_lib
+from compjax.compressors.selection import sample_layout, sampled_threshold_select
 from compjax.transforms.dgc import DGCState, dgc
-from compjax.transforms.dgc_select import sample_layout, sampled_threshold_select
 
 N = 8
 STEPS = 5
@@ -312,13 +312,15 @@ def test_threshold_is_lowered_into_the_band(iters, accepted):
 
 # The blocked selection (block maxima, compaction on candidate blocks) must give the
 # reference selection (full passes over |x|) entry for entry.  Two sizes: 2**15, and one
-# that is not a multiple of the 64-entry blocks.
+# that is not a multiple of the blocks; two densities: 0.001 (blocks of 64) and 0.01
+# (blocks of 8, no sub-blocks).
 @partial(jax.jit, static_argnames=("k", "iters"))
 def _both_selections(x, offset, k, iters):
     samples, top = select_lib._samples(x, k, offset, 0.01)
     args = (samples, top, k, (0.8, 1.3), iters)
     reference = select_lib._reference_select(jnp.abs(x), *args)
-    blocked = select_lib._blocked_select(x, *args, select_lib._Blocks.of(x))
+    size = select_lib.block_size(x.shape[0], select_lib.band_limits(k, x.shape[0], (0.8, 1.3))[1])
+    blocked = select_lib._blocked_select(x, *args, select_lib.Blocks.of(x, size))
     return reference, blocked
 
 
@@ -333,19 +335,24 @@ def _inputs(draw_kind, rng, d):
         x[start : start + 200] = rng.standard_normal(200) * 10
         x[rng.integers(0, d, 40)] = rng.standard_normal(40)
         return x
+    if draw_kind == "zeros":  # three non-zero entries: the sample's threshold is 0
+        x = np.zeros(d)
+        x[rng.integers(0, d, 3)] = 1.0
+        return x
     return rng.standard_cauchy(d)  # heavy tails
 
 
 @given(
     seed=st.integers(0, 2**31 - 1),
-    kind=st.sampled_from(["gaussian", "ties", "sparse", "cauchy"]),
-    d=st.sampled_from([D, 5000]),
+    kind=st.sampled_from(["gaussian", "ties", "sparse", "zeros", "cauchy"]),
+    d=st.sampled_from([D, 5003]),
+    density=st.sampled_from([0.001, 0.01]),
     offset=st.integers(0, 100),
     iters=st.sampled_from([0, 3]),
 )
-def test_blocked_selection_is_the_reference_selection(seed, kind, d, offset, iters):
+def test_blocked_selection_is_the_reference_selection(seed, kind, d, density, offset, iters):
     x = jnp.asarray(_inputs(kind, np.random.default_rng(seed), d), jnp.float32)
-    k = max(1, d // 1000)
+    k = max(1, round(d * density))
     (ref_idx, ref_n, ref_ok), (idx, n, ok) = _both_selections(x, offset, k=k, iters=iters)
     assert bool(ok) == bool(ref_ok)
     np.testing.assert_array_equal(idx, ref_idx)
@@ -354,6 +361,17 @@ def test_blocked_selection_is_the_reference_selection(seed, kind, d, offset, ite
         assert int(n) > capacity
     else:
         assert int(n) == int(ref_n)
+
+
+def test_blocked_selection_at_a_zero_threshold_keeps_every_entry_once():
+    """k = 4000 of 5003: the capacity is d, so a threshold of 0 (mostly zeros) is accepted
+    and every entry is selected, once, in order; the blocks' slots past the last entry
+    (value 0, also reaching the threshold) are not."""
+    x = jnp.zeros(5003).at[jnp.array([7, 4000])].set(1.0)
+    (ref_idx, ref_n, ref_ok), (idx, n, ok) = _both_selections(x, 0, k=4000, iters=0)
+    assert bool(ok) and bool(ref_ok) and int(n) == int(ref_n) == 5003
+    np.testing.assert_array_equal(idx, np.arange(5003))
+    np.testing.assert_array_equal(idx, ref_idx)
 
 
 def test_communication_reports_the_steady_state_payload():
@@ -415,8 +433,6 @@ BAD = [
     ("min_size", {"min_size": 0}),
     ("exchange", {"exchange": "ring"}),
     ("exchange", {"exchange": None}),
-    ("sampled_threshold", {"sampled_threshold": True, "exchange": "scatter_gather"}),
-    ("sampled_threshold", {"sampled_threshold": True, "exchange": compjax.hierarchical("x")}),
 ]
 
 
@@ -444,10 +460,12 @@ def _scatter_gather_run():
     return run_vmap(dgc("data", **SCATTER), GRADS, N)
 
 
-def test_scatter_gather_loses_nothing():
+@pytest.mark.parametrize("sampled", [None, True])
+def test_scatter_gather_loses_nothing(sampled):
     """Without momentum correction, ``n sum_t update + sum_i v_i + sum_j m_j = sum_t,i g_i``,
     through warm-up phases of different top-k ratios sharing the server memory (flatten: 18
-    entries, 3 per shard, 2 then 1 sent per shard)."""
+    entries, 3 per shard, 2 then 1 sent per shard), with the exact top-k per shard or the
+    sampled threshold."""
     tx = dgc(
         "data",
         0.2,
@@ -457,6 +475,7 @@ def test_scatter_gather_loses_nothing():
         min_size=10,
         flatten=True,
         exchange="scatter_gather",
+        sampled_threshold=sampled,
     )
     outs, state = run_vmap(tx, GRADS, N)
     applied = N * sum(updates_as_vectors(o, True)["all"] for o in outs)

@@ -1,8 +1,8 @@
 """The documentation builds without a warning, and its API reference lists every public name.
 
 The public names are those of ``compjax.__all__`` and, for ``compjax.nnx``,
-``compjax.advise``, ``compjax.advise_fsdp``, ``compjax.advise_cli`` and ``compjax.codec_timing``
-(which have no ``__all__``), every top-level
+``compjax.advise``, ``compjax.advise_report``, ``compjax.advise_fsdp``,
+``compjax.advise_cli`` and ``compjax.codec_timing`` (which have no ``__all__``), every top-level
 function, class and constant their source defines without a leading underscore.  The
 reference lists a name with an ``autosummary`` entry (which generates its page from the
 docstring) or, for a submodule, an ``automodule`` directive.
@@ -24,6 +24,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API = DOCS / "api"
 BUILD_TIMEOUT_S = 300
+ADVISE_MODULES = (
+    "compjax.advise",
+    "compjax.advise_report",
+    "compjax.advise_fsdp",
+    "compjax.advise_cli",
+)
 
 
 def defined_names(module_name: str) -> set[str]:
@@ -46,7 +52,7 @@ def defined_names(module_name: str) -> set[str]:
 def public_names() -> set[str]:
     names = {f"compjax.{name}" for name in compjax.__all__}
     advise = set().union(
-        *map(defined_names, ("compjax.advise", "compjax.advise_fsdp", "compjax.advise_cli")),
+        *map(defined_names, ADVISE_MODULES),
         defined_names("compjax.codec_timing"),
     )
     return names | defined_names("compjax.nnx") | advise

@@ -213,6 +213,35 @@ def test_ef21_estimate_and_server_memories_are_the_local_estimates():
     assert np.abs(np.asarray(state.server_error)).max() > 0
 
 
+THRESHOLD_TOP_K = compjax.top_k(ratio=0.5, select="threshold")  # 4 to 6 of a 9-10 entry shard
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "scatter_gather"])
+def test_threshold_top_k_in_error_feedback_and_ef21_loses_nothing(exchange):
+    """The sampled-threshold top-k through error feedback and EF21, on the whole vector or
+    per shard: what was sent plus every memory is what came in; EF21's server memories
+    with its estimate add up to the local estimates."""
+    ef_init, ef_update = vmapped(
+        compjax.error_feedback(THRESHOLD_TOP_K, "data", exchange=exchange), ("data",)
+    )
+    ef21_init, ef21_update = vmapped(
+        compjax.ef21(THRESHOLD_TOP_K, "data", exchange=exchange), ("data",)
+    )
+    ef, ef21 = ef_init(normal(80, (N, D))), ef21_init(normal(80, (N, D)))
+    applied = inputs = jnp.zeros(D, jnp.float32)
+    for step in range(3):
+        x = normal(80 + step, (N, D))
+        out, ef = ef_update(x, ef)
+        applied += N * out[0]
+        inputs += x.sum(0)
+        _, ef21 = ef21_update(x, ef21)
+        server = 0.0 if isinstance(ef21.server_error, tuple) else ef21.server_error.sum(0)[0]
+        np.testing.assert_allclose(N * ef21.estimate[0] + server, ef21.local.sum(0)[0], atol=1e-4)
+    kept = field_total(ef.error, ("data",)) + field_total(ef.server_error, ("data",))
+    np.testing.assert_allclose(applied + kept, inputs, atol=1e-4)
+    assert np.count_nonzero(np.asarray(ef.error)) > 0  # something was held back
+
+
 def _shard_map_run(tx, xs, mesh, axes):
     params = jnp.zeros(D)
     specs = compjax.state_specs(jax.eval_shape(tx.init, params), axes)

@@ -244,3 +244,61 @@ def test_rotate_exchange_shares_the_rotation():
                                 axis_name="d"))(xs)  # fmt: skip
     sent = {what: bits for _, round_ in log for what, bits in round_}
     assert sent == {"scale": 32, "payload": 32 * math.ceil(128 / ROT.fields_per_word(N))}
+
+
+def numpy_layout(n, per_word, group_words):
+    """Which entry each field of each word holds (numpy transcription of pack_fields' docs)."""
+    rows = []
+    if per_word & (per_word - 1) == 0:  # interleaved: consecutive entries share a word
+        for w in range(-(-n // per_word)):
+            rows.append([w * per_word + k for k in range(per_word)])
+    else:  # planar in groups of per_word * group_words entries, the last one shorter
+        unit = per_word * group_words
+        for start in range(0, n, unit):
+            m = min(unit, n - start)
+            words = -(-m // per_word)
+            rows += [[start + j + k * words for k in range(per_word)] for j in range(words)]
+    return [[i if i < n else None for i in row] for row in rows]
+
+
+@pytest.mark.parametrize("width,per_word", [(4, 8), (6, 5), (5, 6)])
+def test_packed_layout_matches_its_transcription(width, per_word):
+    """Fields land where pack_fields' docstring says (planar groups when per_word is not a
+    power of two), for sizes around the group boundaries; unpack inverts pack; the words
+    of unit-aligned spans are the whole array's stretches (what buckets in pieces need)."""
+    from compjax.packing import GROUP_WORDS, pack_fields, packing_unit, unpack_fields
+
+    unit = packing_unit(per_word)
+    rng = np.random.default_rng(7)
+    pack = jax.jit(pack_fields, static_argnums=(1, 2))
+    for n in (0, 1, per_word + 1, unit - 1, unit, unit + 3, 2 * unit + per_word * 3 + 1):
+        u = rng.integers(0, 2**width, n).astype(np.uint32)
+        words = np.asarray(pack(jnp.asarray(u), width, per_word))
+        layout = numpy_layout(n, per_word, GROUP_WORDS)
+        assert words.shape == (-(-n // per_word),) == (len(layout),)
+        expected = [
+            sum(int(u[i]) << (width * k) for k, i in enumerate(row) if i is not None)
+            for row in layout
+        ]
+        np.testing.assert_array_equal(words, np.asarray(expected, np.uint64).astype(np.uint32))
+        np.testing.assert_array_equal(unpack_fields(jnp.asarray(words), width, per_word, n), u)
+        if n > unit:
+            spans = [
+                pack(jnp.asarray(u[:unit]), width, per_word),
+                pack(jnp.asarray(u[unit:]), width, per_word),
+            ]
+            np.testing.assert_array_equal(np.concatenate(spans), words)
+
+
+def test_split_coding_equals_whole_coding():
+    """The planar layout codes whole groups and the last partial one separately (draws at
+    their offsets): the words equal those of the codes drawn for the whole array at once."""
+    key = jax.random.key(3)
+    n = 2 * COMP.unit(N) + 17
+    x = jax.random.normal(jax.random.key(4), (n,))
+    scale = COMP.scale_of(x)
+    split = COMP.encode_words(key, x, scale, N)
+    whole = COMP._words(COMP.codes(key, x, scale), N)
+    np.testing.assert_array_equal(split, whole)
+    decoded = COMP.decode_words(split, scale, 1, N, n)
+    np.testing.assert_array_equal(decoded, COMP.codes(key, x, scale) / COMP.levels * scale)

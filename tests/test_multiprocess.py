@@ -2,14 +2,15 @@
 
 Two worker processes (``tests/multiprocess_worker.py``) join a job on
 127.0.0.1 with gloo CPU collectives, 2 devices each, and run the
-transformations, :func:`compjax.fsdp` steps and :func:`compjax.diloco`'s local steps
-(slow suite) over a 4-device global mesh.
+transformations, :func:`compjax.fsdp` steps, :func:`compjax.diloco`'s local steps and
+0/1 Adam's local rounds (slow suite) over a 4-device global mesh.
 Their updates (and final states) must equal those of the same code on 4
 devices of this process.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -133,8 +134,9 @@ def test_two_processes_match_one(distributed, reference):
     for key in sorted(reference):
         assert distributed[key].dtype == reference[key].dtype, key
         # Adam's step divides nearly cancelling moments by sqrt(v): the gloo sum's order can
-        # move such an update by a few ulps of the learning rate (3.7e-9 seen at lr 0.05).
-        atol = 1e-8 if key.startswith("fsdp_exact/") else 0.0
+        # move such an update by a few ulps of the learning rate (3.7e-9 seen at lr 0.05);
+        # 0/1 Adam's local rounds carry that into params near 1 (5.4e-7, 4.5 ulps, seen).
+        atol = {"fsdp_exact": 1e-8, "zero_one_adam_local": 1e-6}.get(key.split("/")[0], 0.0)
         np.testing.assert_allclose(
             distributed[key], reference[key], rtol=1e-6, atol=atol, err_msg=key
         )
@@ -176,3 +178,36 @@ def test_a_dead_peer_aborts_the_survivor_within_the_heartbeat_timeout(tmp_path):
     assert "second step completed" not in workers[0][1].read_text()
     elapsed = ended - float(died[0].split()[-1])
     assert 0 < elapsed < 4 * HEARTBEAT_S, f"survivor ended {elapsed:.1f} s after its peer died"
+
+
+AUTO_WORKER = Path(__file__).with_name("auto_worker.py")
+
+
+@pytest.mark.slow
+def test_auto_decides_the_same_on_every_process(tmp_path):
+    """compjax.auto across two processes whose clocks disagree: process 0 alone would keep
+    dense (1 s against QSGD's 2 s), but process 1's dense steps take 5 s; both agree on the
+    maxima and keep QSGD, and train the same params."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    workers = []
+    for i in range(NUM_PROCESSES):
+        log = tmp_path / f"worker{i}.log"
+        cmd = [sys.executable, str(AUTO_WORKER), "--process-id", str(i), "--port", str(port)]
+        cmd += ["--num-processes", str(NUM_PROCESSES), "--out", str(tmp_path)]
+        with log.open("wb") as f:
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        workers.append((proc, log))
+    try:
+        failure = wait_all(workers, TIMEOUT_S)
+    finally:
+        kill_all(workers)
+    if failure is not None:
+        pytest.fail(f"{failure}\n{report(workers)}", pytrace=False)
+    results = [json.loads((tmp_path / f"process{i}.json").read_text()) for i in range(2)]
+    for result in results:
+        assert result["chosen"] == "qsgd", report(workers)
+        assert result["timings"] == [5.0, 2.0]
+        assert result["clock_left"] == 0
+    assert results[0]["params"] == results[1]["params"]

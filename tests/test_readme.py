@@ -139,12 +139,21 @@ def check_zero_one_adam_local(ns: dict) -> None:
     assert ns["mean_bits_per_step"](ns["report"], ns["kinds"]) < ns["report"].dense_bits
 
 
+def check_auto(ns: dict) -> None:
+    report = ns["report"]
+    assert report.chosen in ("dense", "qsgd") and report.trial_steps_left == 0
+    assert all(0 < t < 60 for t in report.timings)  # seconds per step, both measured
+    assert int(ns["state"].choice) == report.names.index(report.chosen)
+    assert not bool(jax.numpy.allclose(ns["params"]["b"], 0.0))  # it stepped
+
+
 CHECKS = {
     ("README.md", "Quickstart"): check_quickstart,
     ("docs/distributed.md", "A complete shard_map training step"): check_shard_map_step,
     ("docs/distributed.md", "`jax.jit` with sharded arrays (no `shard_map` of your own)"): (
         check_jit
     ),
+    ("docs/distributed.md", "Choosing by measurement (`compjax.auto`)"): check_auto,
     ("docs/distributed.md", "Model-sharded parameters (tensor parallel, FSDP-style layouts)"): (
         check_model_sharded
     ),

@@ -60,6 +60,36 @@ def test_selection_and_codes_match_numpy(bits):
     assert compjax.wire_bits(payload) == comp.bits(X.shape) == wire
 
 
+@pytest.mark.parametrize("kind", ["normal", "ties", "sparse", "nan"])
+def test_blocked_selection_matches_numpy(kind):
+    """Chunks of 256, 4 kept: the per-chunk top-k from the 4 blocks of 8 with the largest
+    maxima (d = 2,056, a multiple of 8: the last chunk 8 entries and 248 pads).  Ties and
+    mostly-zero chunks keep the first entries; a NaN takes the plain top-k."""
+    rng = np.random.default_rng(1)
+    d = 2056
+    x = {
+        "normal": rng.normal(size=d),
+        "ties": rng.integers(-2, 3, d) * 0.5,
+        "sparse": np.where(rng.random(d) < 0.005, rng.normal(size=d), 0.0),
+        "nan": np.where(np.arange(d) == 700, np.nan, rng.normal(size=d)),
+    }[kind].astype(np.float32)
+    comp = compjax.chunked_top_k(k=4, chunk=256, bits=None)
+    idx, vals = jax.jit(comp.select)(jnp.asarray(x))
+    size, count = 256, 9
+    rows = np.zeros(count * size, np.float32)
+    rows[:d] = x
+    ref_idx = np.argsort(-np.abs(rows.reshape(count, size)), axis=1, kind="stable")[:, :4]
+    if kind == "nan":  # NaN ranks first in jax.lax.top_k: chunk 2 keeps it and its 3 largest
+        assert int(idx[2, 0]) == 700 - 512 and np.isnan(vals[2, 0])
+        ref = np.argsort(-np.abs(np.nan_to_num(rows.reshape(count, size)[2])), kind="stable")
+        np.testing.assert_array_equal(idx[2, 1:], [i for i in ref if i != 188][:3])
+        idx, ref_idx = np.delete(np.asarray(idx), 2, 0), np.delete(ref_idx, 2, 0)
+    np.testing.assert_array_equal(idx, ref_idx)
+    y = roundtrip(comp, KEY, jnp.asarray(x))[1]
+    if kind != "nan":
+        np.testing.assert_array_equal(np.asarray(y), np_chunked_top_k(x, 4, 256, None))
+
+
 def test_wire_bits_from_the_payload_on_every_shape():
     for comp in (
         compjax.chunked_top_k(k=2, chunk=300, bits=4),

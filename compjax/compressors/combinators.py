@@ -130,13 +130,13 @@ class Chain(Compressor):
     def omega(self, d):
         if not self.unbiased:
             return None
-        k = self.sparsifier.k_for(d)
+        k = self.sparsifier.slots(d)
         return (1.0 + self.quantizer.omega(k)) * (1.0 + self.sparsifier.omega(d)) - 1.0
 
     def delta(self, d):
         if self.sparsifier.unbiased or d == 0:
             return None if d else 1.0
-        k = self.sparsifier.k_for(d)
+        k = self.sparsifier.slots(d)
         if self.quantizer.unbiased:
             omega = self.quantizer.omega(k)
             kept = None if omega is None or omega >= 1 else 1.0 - omega
@@ -146,7 +146,7 @@ class Chain(Compressor):
 
     def bits(self, shape, dtype=jnp.float32):
         d = math.prod(shape)
-        k = self.sparsifier.k_for(d)
+        k = self.sparsifier.slots(d)
         return (
             self.sparsifier.bits(shape, dtype)
             - self.sparsifier.value_bits(d, dtype)

@@ -85,10 +85,8 @@ from compjax import hadamard
 from compjax.compressor import Compressor, dtype_max, raw_key
 from compjax.draws import bernoulli, counts_entries, stochastic_round
 from compjax.numerics import divide
+from compjax.packing import WORD, pack_fields, packing_unit, planar, unpack_fields
 from compjax.pieces import Pieces, decode_spans, encode_spans, wire_slice
-
-#: Bits of the word that carries the packed fields.
-WORD = 32
 
 #: ``fold_in`` data of the shared rotation's key (no worker index reaches it).
 _ROTATION_STREAM = 0x7FFFFFFF
@@ -224,31 +222,48 @@ class IntQuant(Compressor):
 
         ``flat`` may be a flat array in :class:`compjax.pieces.Pieces`: its
         words are then packed span by span (:func:`compjax.pieces.spans`,
-        aligned to whole words), with the codes' random draws taken at their
-        entries' offsets, so the words are those of the joined array, for a
+        aligned to :meth:`unit`), with the codes' random draws taken at
+        their entries' offsets, so the words are those of the joined array, for a
         threefry key (any other key joins the pieces first).
         """
         if isinstance(flat, Pieces):
             if not counts_entries(key, flat.size):
                 return self.encode_words(key, flat.join(), scale, summands)
-            per_word = self.fields_per_word(summands)
             return encode_spans(
                 flat,
-                per_word,
-                lambda x, o: {"words": self._words(self.codes(key, x, scale, o), summands)},
+                self.unit(summands),
+                lambda x, o: {"words": self._encoded(key, x, scale, summands, o)},
             )["words"]
-        return self._words(self.codes(key, flat, scale), summands)
+        return self._encoded(key, flat, scale, summands)
+
+    def _encoded(self, key, flat: jax.Array, scale, summands: int, offset: int = 0) -> jax.Array:
+        """The words of ``flat`` (entries ``offset ..`` of a larger array).
+
+        In the planar layout, for a counter-drawn key, the whole groups and
+        the last partial group are coded separately (the latter's draws at its
+        offset), so that each packing pass reads its codes straight from ``flat``.
+        """
+        n = flat.shape[0]
+        cut = n // self.unit(summands) * self.unit(summands)
+        split = planar(self.fields_per_word(summands)) and 0 < cut < n
+        if split and counts_entries(key, offset + n):
+            head = self._words(self.codes(key, flat[:cut], scale, offset), summands)
+            tail = self._words(self.codes(key, flat[cut:], scale, offset + cut), summands)
+            return jnp.concatenate([head, tail])
+        return self._words(self.codes(key, flat, scale, offset), summands)
+
+    def unit(self, summands: int) -> int:
+        """Entries of one packing unit (:func:`packing_unit`) for ``summands`` messages."""
+        return packing_unit(self.fields_per_word(summands))
 
     def _words(self, q: jax.Array, summands: int) -> jax.Array:
-        """Integer codes ``q`` offset to ``[0, 2s]`` and packed ``fields_per_word`` to a word."""
+        """Integer codes ``q`` offset to ``[0, 2s]`` and packed ``fields_per_word`` to a word.
+
+        The layout is :func:`pack_fields`'s.
+        """
         width = self.field_width(summands)
-        per_word = self.fields_per_word(summands)
         u = (q + self.levels).astype(jnp.uint32)
-        n = u.shape[0]
-        padded = jnp.pad(u, (0, -n % per_word)).reshape(-1, per_word)
-        shifts = jnp.uint32(width) * jnp.arange(per_word, dtype=jnp.uint32)
-        # Disjoint bit ranges: the sum is the bitwise or.
-        return jnp.sum(padded << shifts, axis=1, dtype=jnp.uint32)
+        return pack_fields(u, width, self.fields_per_word(summands))
 
     def decode_words(
         self, words: jax.Array, scale: jax.Array, summed: int, summands: int, n: int
@@ -259,13 +274,19 @@ class IntQuant(Compressor):
         workers); ``summed`` how many messages ``words`` holds (1 for a
         worker's own message).
         """
-        width = self.field_width(summands)
-        per_word = self.fields_per_word(summands)
-        shifts = jnp.uint32(width) * jnp.arange(per_word, dtype=jnp.uint32)
-        fields = (words[:, None] >> shifts) & jnp.uint32((1 << width) - 1)
-        total = fields.reshape(-1)[:n].astype(jnp.int32) - summed * self.levels
-        # (q / s) * scale: |q / s| <= summed, so only scale's own size matters for overflow.
-        return total.astype(jnp.float32) / self.levels * scale
+        width, per_word = self.field_width(summands), self.fields_per_word(summands)
+
+        def decoded(w, m):
+            total = unpack_fields(w, width, per_word, m).astype(jnp.int32) - summed * self.levels
+            # (q / s) * scale: |q / s| <= summed, so only scale's own size matters for overflow.
+            return total.astype(jnp.float32) / self.levels * scale
+
+        # Planar: whole groups and the last partial group decoded separately (each pass fused).
+        cut = n // self.unit(summands) * self.unit(summands)
+        if planar(per_word) and 0 < cut < n:
+            head = cut // per_word
+            return jnp.concatenate([decoded(words[:head], cut), decoded(words[head:], n - cut)])
+        return decoded(words, n)
 
     # -- the compressor contract: one worker, its own scale ------------------
     def encode(self, key, flat, dtype):
@@ -303,13 +324,13 @@ class IntQuant(Compressor):
         scale = wire["scale"]
         per_word = self.fields_per_word(1)
 
-        def decode(span):
+        def decode(span):  # spans start at whole groups, so at word span.start / per_word
             words = wire_slice(wire["words"], span, per_word)
             y = self.decode_words(words, scale, 1, 1, span.length)
             y = jnp.where(jnp.isfinite(scale), y, jnp.nan)
             return stochastic_round(side["key"], y, dtype, span.start)
 
-        return decode_spans(sizes, per_word, decode)
+        return decode_spans(sizes, self.unit(1), decode)
 
     def unbiased_range(self, d, dtype=jnp.float32):
         """Every finite input; with ``rotate``, ``max / d'`` (a sufficient bound).

@@ -5,6 +5,8 @@ References:
   (top-k and random-k, their contraction constants).
   Wangni, Wang, Liu, Zhang, "Gradient Sparsification for
   Communication-Efficient Distributed Optimization", NeurIPS 2018.
+  Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression", ICLR 2018
+  (the sampled threshold of ``top_k(select="threshold")``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax.compressor import Compressor, dtype_max, raw_key
+from compjax.compressors import selection
 from compjax.draws import bernoulli
 from compjax.numerics import divide, round_to
 
@@ -92,6 +95,10 @@ class Sparsifier(Compressor):
             return self.k
         return min(d, max(1, round(self.ratio * d)))
 
+    def slots(self, d: int) -> int:
+        """Index and value slots on the wire for ``d`` entries (``k``; padded selections more)."""
+        return self.k_for(d)
+
     def scale(self, d: int) -> float:
         return 1.0
 
@@ -104,7 +111,8 @@ class Sparsifier(Compressor):
         return {"indices": idx, "values": flat[idx]}, {}
 
     def scatter(self, idx, values, n):
-        dense = jnp.zeros((n,), jnp.float32).at[idx].set(values.astype(jnp.float32))
+        # Unused slots hold index n (padded selections) and are dropped.
+        dense = jnp.zeros((n,), jnp.float32).at[idx].set(values.astype(jnp.float32), mode="drop")
         scale = self.scale(n)
         if scale == 1.0:
             return dense
@@ -116,24 +124,64 @@ class Sparsifier(Compressor):
         return self.scatter(wire["indices"], wire["values"], n)
 
     def value_bits(self, d: int, dtype) -> int:
-        return self.k_for(d) * np.dtype(dtype).itemsize * 8
+        return self.slots(d) * np.dtype(dtype).itemsize * 8
 
     def bits(self, shape, dtype=jnp.float32):
         d = math.prod(shape)
-        return self.value_bits(d, dtype) + 32 * self.k_for(d)
+        return self.value_bits(d, dtype) + 32 * self.slots(d)
+
+
+SELECTS = ("exact", "threshold")
 
 
 @dataclasses.dataclass(frozen=True)
 class TopK(Sparsifier):
-    """Keep the ``k`` entries of largest magnitude.  See :func:`top_k`."""
+    """Keep the ``k`` entries of largest magnitude (or, with ``select="threshold"``, every
+    entry above a sampled threshold, between ``k_lo`` and ``k_hi`` of them).  See :func:`top_k`."""
 
+    select: str = "exact"
+    band: tuple[float, float] = (0.8, 1.3)
+    sample_ratio: float = 0.01
+    max_adaptation_iters: int = 10
     deterministic: ClassVar[bool] = True
 
+    def _threshold(self, d: int) -> bool:
+        # An empty input has nothing to select; with k = d every entry is kept.
+        return self.select == "threshold" and 0 < self.k_for(d) < d
+
+    def count_band(self, d: int) -> tuple[int, int]:
+        """``(k_lo, k_hi)``: the fewest and most entries kept of ``d`` (both ``k`` when exact).
+
+        ``k_hi`` is the payload's number of slots.
+        """
+        k = self.k_for(d)
+        if not self._threshold(d):
+            return k, k
+        return selection.band_limits(k, d, self.band)
+
+    def slots(self, d: int) -> int:
+        return self.count_band(d)[1]
+
     def indices(self, key, flat, k):
-        return jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32)
+        d = flat.shape[0]
+        if not self._threshold(d):
+            return jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32)
+        return selection.sampled_threshold_select(
+            flat,
+            k,
+            sample_ratio=self.sample_ratio,
+            band=self.band,
+            max_adaptation_iters=self.max_adaptation_iters,
+        ).indices
+
+    def encode(self, key, flat, dtype):
+        idx = self.indices(key, flat, self.k_for(flat.shape[0]))
+        # Unused slots (index d) carry the value 0.
+        return {"indices": idx, "values": flat.at[idx].get(mode="fill", fill_value=0)}, {}
 
     def delta(self, d):
-        return self.k_for(d) / d if d > 0 else 1.0
+        # A threshold keeps every entry at or above it, so the n >= k_lo largest.
+        return self.count_band(d)[0] / d if d > 0 else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +249,15 @@ class RandK(Sparsifier):
         return self.value_bits(d, dtype) + (0 if self.shared_seed else 32 * self.k_for(d))
 
 
-def top_k(k: int | None = None, ratio: float | None = None) -> TopK:
+def top_k(
+    k: int | None = None,
+    ratio: float | None = None,
+    *,
+    select: str = "exact",
+    band: tuple[float, float] = (0.8, 1.3),
+    sample_ratio: float = 0.01,
+    max_adaptation_iters: int = 10,
+) -> TopK:
     """Top-k sparsification: keep the ``k`` largest-magnitude entries.
 
     Give ``k`` (entries per array; an array with fewer entries raises
@@ -210,20 +266,54 @@ def top_k(k: int | None = None, ratio: float | None = None) -> TopK:
     payload (0 bits) and an empty output (the one exception to ``k > d``
     raising, so that trees with size-0 leaves compress).
 
-    Wire format: int32 indices and the values in the input dtype.
+    ``select`` chooses how the entries are found:
 
-    Theory: biased, ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``, ``delta = k/d``,
-    equality at equal magnitudes.
+    * ``"exact"`` (default): ``jax.lax.top_k`` of ``|x|``, exactly ``k``
+      entries.  Wire format: ``k`` int32 indices and ``k`` values in the
+      input dtype.  Theory: biased, ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``,
+      ``delta = k/d``, equality at equal magnitudes.
+    * ``"threshold"``: DGC's sampled threshold
+      (:func:`compjax.compressors.selection.sampled_threshold_select`), a
+      fraction of the cost of a full top-k on a CPU.  The ``ceil(num k/d)``-th
+      largest of a strided sample of about ``sample_ratio d`` magnitudes sets
+      a threshold, lowered by ``band[0]`` (up to ``max_adaptation_iters``
+      times) while fewer than ``k_lo = ceil(band[0] k)`` entries reach it;
+      every entry that reaches it is kept if they are between ``k_lo`` and
+      ``k_hi = floor(band[1] k)`` (at most ``d``), else the exact top-``k``
+      is.  The count is always in ``[k_lo, k_hi]`` (``count_band(d)``), and
+      the payload has ``k_hi`` slots whatever the count (a static shape):
+      ``k_hi`` int32 indices and ``k_hi`` values, unused slots carrying index
+      ``d`` and value 0; the bits are those of the slots.  Theory: the kept
+      entries are all those at or above a threshold, hence the ``n`` largest
+      for some ``n >= k_lo``, so ``||C(x) - x||^2 <= (1 - n/d) ||x||^2 <= (1
+      - k_lo/d) ||x||^2``: ``delta = k_lo/d``.  Deterministic: the sample
+      starts at entry 0.  With ``k = d`` (or an empty input) it is the exact
+      selection.  On a TPU, ``jax.lax.approx_max_k`` is the hardware's own
+      approximate top-k (a recall target instead of a count band).
 
     Raises:
       ValueError: both or neither of ``k`` and ``ratio``; ``k < 1``; ``ratio``
-        outside ``(0, 1]``.
+        outside ``(0, 1]``; ``select`` not ``"exact"`` or ``"threshold"``;
+        ``band`` not a pair with ``0 < band[0] <= 1 <= band[1]``;
+        ``sample_ratio`` outside ``(0, 1]``; ``max_adaptation_iters < 0``
+        (each message names the parameter).
 
     References:
       Stich et al., "Sparsified SGD with Memory", NeurIPS 2018.
+      Lin et al., "Deep Gradient Compression", ICLR 2018 (the sampled
+      threshold and its accept band).
     """
     _check_k_ratio(k, ratio)
-    return TopK(k=None if k is None else int(k), ratio=None if ratio is None else float(ratio))
+    if select not in SELECTS:
+        raise ValueError(f"select must be one of {SELECTS}, got {select!r}")
+    return TopK(
+        k=None if k is None else int(k),
+        ratio=None if ratio is None else float(ratio),
+        select=select,
+        band=selection.check_band(band, "band"),
+        sample_ratio=selection.check_sample_ratio(sample_ratio),
+        max_adaptation_iters=selection.check_iters(max_adaptation_iters),
+    )
 
 
 def rand_k(

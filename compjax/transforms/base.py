@@ -1,12 +1,9 @@
-"""What every compjax transformation shares: leaves, per-worker state, keys, guards.
+"""What every compjax transformation shares: leaves, per-worker state, keys, state dtypes.
 
 Per-worker state (error memory, local shifts) has a leading axis of size 1
-in each worker's view, so that it concatenates into a leading worker axis:
-under ``shard_map`` its global shape is ``(workers, *shape)`` with
-``PartitionSpec(axis)``; under ``pmap`` or ``vmap`` it is ``(workers, 1,
-*shape)``.  State NamedTuples list their per-worker fields in ``PER_WORKER``;
-:func:`state_specs` turns any optimizer state (chains, wrappers) into the
-matching ``PartitionSpec`` tree.
+in each worker's view (:meth:`Leaves.worker_state`), so that it concatenates
+into a leading worker axis; :func:`state_specs` gives the matching
+``PartitionSpec``s (:mod:`compjax.transforms.specs`).
 
 Keys: the state holds a raw uint32 PRNG key shared by all workers, split every
 step; :mod:`compjax.collectives` folds in the worker index where workers need
@@ -23,42 +20,36 @@ default, or a floating dtype used for every leaf (:func:`check_state_dtype`,
 (the wire format is unchanged), the updates returned keep the gradient's
 dtype, and the state's dtypes are fixed at ``init`` (:func:`cast_like`).
 
-Non-finite input: if any worker's update holds an Inf or NaN (one 8-bit
-flag per step is reduced with ``pmax``), the transformation returns an update
-of NaNs on every worker and keeps its whole state (error memory, shifts, key)
-unchanged.  Nothing is silently poisoned (top-k could otherwise drop the NaN
-from the message while keeping it in the memory), and ``optax.apply_if_finite``
-on the optimizer that follows (which sees the NaNs on every worker) then skips
-the step cleanly; wrapped around the compjax transformation instead, it would
-test each worker's own gradient and the workers could disagree.  The same
-flag refuses a step whose finite input would leave a non-finite update or
-state (float32 overflowing on gradients near its largest value, e.g. an
-error memory ``x + e`` beyond ``3.4e38``).
+Non-finite input: every step runs under the guard of
+:mod:`compjax.transforms.guards` (:func:`any_non_finite`, :func:`guarded`).
+The names of :mod:`compjax.transforms.specs` and
+:mod:`compjax.transforms.guards` are re-exported here.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 from jax.flatten_util import ravel_pytree
 
-from compjax.collectives import (
-    any_worker,
-    check_worker_local,
-    exchange_round,
-    record,
-    unrecorded,
-)
-from compjax.compressor import check_float32_range, raw_key
+from compjax.collectives import exchange_round
+from compjax.compressor import raw_key
 from compjax.exchange import keeps_memory
 from compjax.transforms.buckets import Buckets
+from compjax.transforms.guards import Check as Check
+from compjax.transforms.guards import all_finite as all_finite
+from compjax.transforms.guards import any_non_finite as any_non_finite
+from compjax.transforms.guards import guarded as guarded
+from compjax.transforms.guards import saturated as saturated
+from compjax.transforms.specs import NNX_SPEC as NNX_SPEC
+from compjax.transforms.specs import is_marked as is_marked
+from compjax.transforms.specs import spec_axes
+from compjax.transforms.specs import state_specs as state_specs
 
 
 def counted(update_fn: Callable) -> Callable:
@@ -79,147 +70,6 @@ def counted(update_fn: Callable) -> Callable:
 def init_key(seed: int) -> jax.Array:
     """A raw uint32 key (plain array: serialisable, all-gatherable)."""
     return raw_key(jax.random.key(seed))
-
-
-# The variable metadata in which compjax.nnx.optimizer records each optimizer-state leaf's spec.
-NNX_SPEC = "compjax_spec"
-
-
-def _axis_names(axis_name) -> tuple[str, ...]:
-    if axis_name is None:
-        return ()
-    return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
-
-
-def spec_axes(spec: Any) -> tuple[str, ...]:
-    """The mesh axes a ``PartitionSpec`` (or ``None``) splits over, in order."""
-    return tuple(a for entry in tuple(spec or ()) for a in _axis_names(entry))
-
-
-def is_marked(node: Any) -> bool:
-    return isinstance(node, tuple) and hasattr(type(node), "PER_WORKER")
-
-
-def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
-    """``PartitionSpec``s of an optimizer state for ``jax.shard_map``.
-
-    Per-worker fields of compjax states get ``P(axis_name)`` (their leading
-    worker axis is split across workers); everything else ``P()``
-    (replicated).  Works through ``optax.chain``, ``inject_hyperparams``,
-    ``MultiSteps`` and any other container.
-
-    Flax NNX: in an ``nnx.State`` (of an optimizer built by
-    :func:`compjax.nnx.optimizer`, alone or split together with its model)
-    each optimizer-state variable gives the spec it was laid out with, and
-    every other variable (the model's params, the step count) ``P()``.
-
-    With ``param_specs`` (the params' own specs, for parameters sharded over
-    other mesh axes, e.g. ``{"w": P(None, "model")}``), every state field
-    laid out like the params follows them: a per-worker field gets
-    ``P(axis_name, *spec)`` (the worker axis, then the parameter's own
-    sharding), a shared one the parameter's ``spec``.  Every other per-worker
-    field (a bit counter) differs on each device holding a block, so its
-    leading axis is split over the data axes and the params' other axes
-    together, ``P((axis_name, "model"))``; fields a state lists in
-    ``PER_LEAF`` (one entry per leaf, computed from its block, as PowerSGD's
-    ``Q``) are split over that leaf's other axes.  ``flatten=True`` and
-    ``bucket_size=`` refuse params split over other axes (in ``init``).
-
-    Args:
-      state: the state, or its shapes (``jax.eval_shape(opt.init, params)``).
-      axis_name: the data-parallel axis (a name or a tuple of names).
-      param_specs: ``None`` (parameters replicated over every other axis), or
-        a pytree of ``PartitionSpec`` with the params' structure.
-
-    Returns:
-      A pytree of ``PartitionSpec`` with the state's structure, usable as
-      ``in_specs``/``out_specs`` of ``jax.shard_map``.
-
-    Raises:
-      ValueError: an ``nnx.State`` holds the state of an ``nnx.Optimizer``
-        that was not built by :func:`compjax.nnx.optimizer` (its per-worker
-        fields cannot be told apart).
-    """
-    split = jax.P(axis_name)
-    replicated = jax.P()
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    layout = None if param_specs is None else jax.tree.structure(param_specs, is_leaf=is_spec)
-    leaf_specs = [] if param_specs is None else jax.tree.leaves(param_specs, is_leaf=is_spec)
-    data_axes = set(_axis_names(axis_name))
-    leaf_axes = [tuple(a for a in spec_axes(s) if a not in data_axes) for s in leaf_specs]
-    # The other mesh axes any parameter is split over: a per-worker field that is not laid out
-    # like the params (a bit counter, a flattened memory) differs on each of their blocks too.
-    model_axes = tuple(dict.fromkeys(a for axes in leaf_axes for a in axes))
-    per_block = jax.P((*_axis_names(axis_name), *model_axes)) if model_axes else split
-
-    def field_specs(value, per_worker: bool):
-        if layout is not None and jax.tree.structure(value) == layout:
-            specs = [jax.P(axis_name, *s) if per_worker else s for s in leaf_specs]
-            return jax.tree.unflatten(layout, specs)
-        return jax.tree.map(lambda _: per_block if per_worker else replicated, value)
-
-    def per_leaf_specs(value):
-        """A tuple in leaf order of values computed from each leaf's block (PowerSGD's ``Q``)."""
-        if not leaf_axes:
-            return jax.tree.map(lambda _: replicated, value)
-        if len(value) != len(leaf_axes):
-            raise ValueError(
-                f"state_specs: param_specs has {len(leaf_axes)} leaves where the state was "
-                f"built for {len(value)}: give the specs of the params the state was built for"
-            )
-        return tuple(
-            jax.tree.map(lambda _, axes=axes: jax.P(axes) if axes else replicated, v)
-            for v, axes in zip(value, leaf_axes, strict=True)
-        )
-
-    def per_worker_grads(leaf):
-        if not np.shape(leaf):
-            raise ValueError(
-                "state_specs: optax.MultiSteps accumulates each worker's own gradient "
-                "(acc_grads), which shard_map can only split along a leading axis: a scalar "
-                "parameter has none (give it shape (1,))"
-            )
-        return split
-
-    def variable_spec(var: nnx.Variable):
-        if not isinstance(var, nnx.OptArray | nnx.OptVariable):
-            return replicated
-        recorded = var.get_metadata().get(NNX_SPEC)
-        if recorded is None:
-            raise ValueError(
-                "state_specs: this nnx.State holds the state of an nnx.Optimizer built "
-                "directly, whose per-worker fields nnx.state no longer marks (and whose "
-                "tx.init ran outside shard_map); build it with compjax.nnx.optimizer(model, "
-                "tx, mesh, axis_name, wrt=...)"
-            )
-        return recorded
-
-    def spec(node):
-        if isinstance(node, nnx.Variable):
-            return variable_spec(node)
-        if isinstance(node, optax.MultiStepsState):
-            # acc_grads holds each worker's own sum of gradients, the params' shape on every
-            # worker: split along its first axis (globally n times the params' first axis).
-            return node._replace(
-                mini_step=replicated,
-                gradient_step=replicated,
-                inner_opt_state=state_specs(node.inner_opt_state, axis_name, param_specs),
-                acc_grads=jax.tree.map(per_worker_grads, node.acc_grads),
-                skip_state=jax.tree.map(lambda _: replicated, node.skip_state),
-            )
-        if is_marked(node):
-            per_leaf = getattr(node, "PER_LEAF", ())
-            fields = [
-                per_leaf_specs(v) if f in per_leaf else field_specs(v, f in node.PER_WORKER)
-                for f, v in zip(node._fields, node, strict=True)
-            ]
-            return type(node)(*fields)
-        return replicated
-
-    def stop(node):
-        return is_marked(node) or isinstance(node, optax.MultiStepsState | nnx.Variable)
-
-    return jax.tree.map(spec, state, is_leaf=stop)
 
 
 class Leaves:
@@ -362,81 +212,6 @@ def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:
     """The next state key and one key per leaf for this step."""
     next_key, step = jax.random.split(key)
     return next_key, list(jax.random.split(step, num))
-
-
-def saturated(x: jax.Array) -> jax.Array:
-    """A non-negative accumulator (sums of squares) capped at its dtype's largest finite value.
-
-    Squares of finite entries above the square root of that value overflow;
-    capping keeps such state finite (it only ever means "very large").
-    """
-    return jnp.minimum(x, jnp.finfo(x.dtype).max)
-
-
-def all_finite(arrays: Sequence[Any]) -> jax.Array:
-    """Whether every entry of ``arrays`` (arrays, or pytrees of them such as pieces) is finite.
-
-    Pieces are checked through their whole sources (the leaves they are cut
-    from), never sliced: the flag is one for the step, and every entry of a
-    source belongs to some bucket.
-    """
-    leaves = jax.tree.leaves(list(arrays))
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves] or [jnp.bool_(True)]))
-
-
-class Check(NamedTuple):
-    """What :func:`any_non_finite` found, for :func:`guarded` to decide the step by.
-
-    Attributes:
-      local: whether this worker's input holds an Inf or NaN (not yet reduced).
-      axis_name: the workers' axes, over which :func:`guarded` reduces.
-    """
-
-    local: jax.Array
-    axis_name: Any
-
-
-def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> Check:
-    """Whether this worker's ``arrays`` hold an Inf or NaN, for :func:`guarded`.
-
-    Every transformation calls this first, so it also checks that ``arrays``
-    are each worker's own (:func:`compjax.collectives.check_worker_local`) and
-    no wider than float32 (:func:`compjax.compressor.check_float32_range`).
-    The step's one 8-bit flag is logged here (the first message of a round)
-    and reduced over the workers in :func:`guarded`, once the step's updates
-    and state are known.
-
-    Raises:
-      ValueError: a float64 leaf (``jax_enable_x64``), or a leaf already
-        reduced over the workers.
-    """
-    for a in arrays:
-        check_float32_range(a.dtype, "the updates")
-    check_worker_local(jax.tree.leaves(list(arrays)), axis_name)
-    local = ~all_finite(arrays)
-    record("flag", local.astype(jnp.int8), "all_reduce", axis_name)
-    return Check(local, axis_name)
-
-
-def guarded(check: Check, out: list[jax.Array], new_state: Any, old_state: Any):
-    """NaN updates and the old state if the step is refused; else the new ones.
-
-    A step is refused (on every worker: one 8-bit ``pmax``) if any worker's
-    input holds an Inf or NaN, or if finite input would leave a non-finite
-    update or a non-finite value in the new state (float32 overflowing on
-    the largest finite gradients): persistent state is never poisoned, and
-    ``optax.apply_if_finite`` skips the step.
-    """
-    floats = [
-        a
-        for a in jax.tree.leaves(list(out)) + jax.tree.leaves(new_state)
-        if jnp.issubdtype(a.dtype, jnp.floating)
-    ]
-    with unrecorded():  # logged by any_non_finite
-        bad = any_worker(check.local | ~all_finite(floats), check.axis_name)
-    # (A bucket's update may come in pieces, a list of arrays: each piece guarded.)
-    out = [jax.tree.map(lambda a: jnp.where(bad, jnp.nan, a).astype(a.dtype), o) for o in out]
-    return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)
 
 
 def check_state_dtype(state_dtype: Any) -> np.dtype | None:

@@ -6,8 +6,10 @@ entries of ``v_i`` as int32 indices and values, and keeps the rest for later
 steps.  Momentum factor masking also clears ``u_i`` where ``v_i`` was sent, and
 a warm-up schedule starts with a dense ratio and sparsifies step by step.
 Which entries are sent (exact top-k, sampled threshold) is
-:mod:`compjax.transforms.dgc_select`; how the messages travel is the
-``exchange`` (DGC's own all-gather, or :mod:`compjax.exchange`).
+:mod:`compjax.compressors.selection`; each leaf's step (accumulation,
+selection, exchange, masking) is :mod:`compjax.transforms.dgc_step`; how the
+messages travel is the ``exchange`` (DGC's own all-gather, or
+:mod:`compjax.exchange`).
 
 References:
   Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
@@ -18,7 +20,6 @@ References:
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -30,11 +31,9 @@ import optax
 
 from compjax import collectives
 from compjax.collectives import AxisName
-from compjax.compressor import safe_norm
+from compjax.compressors.selection import check_band
 from compjax.compressors.sparse import top_k
-from compjax.exchange import Exchange, as_exchange, compressed_mean
-from compjax.numerics import mean_of_sum
-from compjax.payload import Payload
+from compjax.exchange import Exchange, as_exchange
 from compjax.transforms.base import (
     Leaves,
     ServerMemory,
@@ -45,12 +44,12 @@ from compjax.transforms.base import (
     guarded,
     state_zeros,
 )
-from compjax.transforms.dgc_select import (
-    Selection,
-    exact_select,
-    num_selected,
-    sample_layout,
-    sampled_threshold_select,
+from compjax.transforms.dgc_step import (
+    Options,
+    accumulate,
+    clip,
+    dense_leaf,
+    exchange_sparse,
 )
 
 #: The paper's warm-up densities (75%, 93.75%, 98.4375%, 99.6% sparsity), one
@@ -80,179 +79,6 @@ class DGCState(NamedTuple):
     PER_WORKER = ("momentum", "velocity", "server_error")
 
 
-class _Options(NamedTuple):
-    """The validated, static arguments of :func:`dgc`."""
-
-    axis_name: AxisName
-    momentum: float
-    nesterov: bool
-    momentum_correction: bool
-    clip_norm: float | None
-    momentum_masking: bool
-    ratios: tuple[float, ...]  # one per phase: the warm-up phases, then the final ratio
-    steps_per_phase: int
-    sampled_threshold: bool
-    sample_ratio: float
-    band: tuple[float, float]
-    max_adaptation_iters: int
-    min_size: int
-    exchange: Exchange | None  # None: DGC's own all-gather of indices and values
-
-
-def _clip(g: jax.Array, opts: _Options, n: int) -> jax.Array:
-    """Local clipping: rescale ``g`` to norm at most ``clip_norm / sqrt(n)``."""
-    if opts.clip_norm is None:
-        return g
-    limit = opts.clip_norm / math.sqrt(n)
-    # Scaled by a power of two first: sum(g**2) overflows for entries beyond 1.8e19 (the
-    # norm would be Inf and the gradient clipped to zero).
-    norm = safe_norm(g.astype(jnp.float32))
-    scale = jnp.where(norm > limit, limit / jnp.where(norm > 0, norm, 1.0), 1.0)
-    return (g * scale).astype(g.dtype)
-
-
-def _accumulate(g, u, v, opts: _Options):
-    """``u <- m u + g, v <- v + u``; Nesterov ``u <- m (u + g), v <- v + u + g``; else ``v + g``."""
-    if not opts.momentum_correction:
-        return u, v + g
-    m = opts.momentum
-    if opts.nesterov:
-        u = m * (u + g)
-        return u, v + u + g
-    u = m * u + g
-    return u, v + u
-
-
-def _dense(g, u, opts: _Options, n: int):
-    """A small leaf: all of ``v = u`` (or ``u + g``, or ``g``) is all-reduced; ``u`` is kept.
-
-    Momentum is linear, so the mean of the workers' momenta is the momentum of
-    the mean gradient: this is exactly dense momentum SGD.  Nothing is
-    dropped, so nothing is stale and ``u`` is not masked.
-    """
-    u, v = _accumulate(g, u, jnp.zeros_like(g), opts)
-    v = v.astype(g.dtype)  # sent in the gradient's dtype
-    collectives.record("dense", v, "all_reduce", opts.axis_name)
-    if opts.axis_name is None:
-        return v, u
-
-    # Near the dtype's largest value the sum overflows though the mean does not: resent
-    # pre-scaled by a power of two on such steps (mean_of_sum).
-    def resum(scale):
-        return collectives.psum(
-            v if scale == 1.0 else v * jnp.asarray(scale, v.dtype), opts.axis_name
-        )
-
-    return mean_of_sum(resum(1.0), resum, n).astype(g.dtype), u
-
-
-def _select(v, k, step, opts: _Options) -> Selection:
-    if not opts.sampled_threshold:
-        return exact_select(v, k)
-    stride, _ = sample_layout(v.size, k, opts.sample_ratio)
-    return sampled_threshold_select(
-        v,
-        k,
-        offset=step % stride,
-        sample_ratio=opts.sample_ratio,
-        band=opts.band,
-        max_adaptation_iters=opts.max_adaptation_iters,
-    )
-
-
-def _gather(payload: Payload, axis_name: AxisName) -> Payload:
-    if axis_name is None:
-        return jax.tree.map(lambda a: a[None], payload)
-    return collectives.all_gather(payload, axis_name)
-
-
-def _sparse(v, u, ratio, step, opts: _Options, n: int, wire_dtype):
-    """Send the selected entries of ``v``; the mean of every worker's message; masked ``u, v``.
-
-    The values travel in ``wire_dtype`` (the gradient's); where ``v`` is kept
-    in a wider dtype, the rounding of a sent entry stays in ``v`` (zero when
-    the dtypes agree).
-    """
-    d = v.size
-    flat = v.reshape(-1)
-    sel = _select(flat, num_selected(d, ratio), step, opts)
-    picked = flat.at[sel.indices].get(mode="fill", fill_value=0)
-    values = picked.astype(wire_dtype)
-    payload = Payload(
-        wire={"indices": sel.indices, "values": values}, side={}, meta=(v.shape, wire_dtype)
-    )
-    collectives.record("payload", payload, "all_gather", opts.axis_name)
-    wire = _gather(payload, opts.axis_name).wire
-    indices, sent = wire["indices"].reshape(-1), wire["values"].reshape(-1).astype(jnp.float32)
-
-    def resum(scale):  # the sum of every worker's values, times scale (exact: a power of two)
-        scaled = sent if scale == 1.0 else sent * scale
-        return jnp.zeros((d,), jnp.float32).at[indices].add(scaled, mode="drop")
-
-    mean = mean_of_sum(resum(1.0), resum, n).astype(wire_dtype).reshape(v.shape)
-    residual = picked - values.astype(flat.dtype)
-    v = flat.at[sel.indices].set(residual, mode="drop").reshape(v.shape)
-    if u is not None and opts.momentum_masking:
-        u = u.reshape(-1).at[sel.indices].set(0, mode="drop").reshape(u.shape)
-    return mean, u, v
-
-
-def _exchanged(v, u, memory, ratio, opts: _Options, wire_dtype):
-    """``v`` through :func:`compjax.exchange.compressed_mean` with an exact top-k per shard.
-
-    ``local`` is this worker's part of the exchange (on a scatter-gather, its
-    own first-stage message): ``v <- v - local`` clears exactly the entries it
-    sent, and ``u`` is masked where ``local`` is non-zero.  ``v`` is sent in
-    ``wire_dtype`` (the gradient's).
-    """
-    sent = compressed_mean(
-        top_k(ratio=ratio),
-        jax.random.key(0),
-        v.astype(wire_dtype),
-        opts.axis_name,
-        opts.exchange,
-        memory,
-    )
-    if u is not None and opts.momentum_masking:
-        u = jnp.where(sent.local != 0, jnp.zeros_like(u), u)
-    return sent.mean, u, v - sent.local, sent.memory
-
-
-def _exchange(vs, us, memories, step, opts: _Options, n: int, wire_dtypes):
-    """The sparse leaves' exchange, in the warm-up phase ``step`` is in.
-
-    Every phase has its own static ``k`` (its own top-k ratio on the other
-    exchanges), so each is a branch of ``lax.switch`` (all workers share
-    ``step`` and take the same branch); the server memories pass through
-    every branch.  Only the last (steady-state) branch records its messages:
-    the communication report gives the steady-state message.
-
-    Returns:
-      ``(means, us, vs, memories)``, one list each.
-    """
-
-    def one(ratio, v, u, memory, wire_dtype):
-        if opts.exchange is None:
-            return (*_sparse(v, u, ratio, step, opts, n, wire_dtype), memory)
-        return _exchanged(v, u, memory, ratio, opts, wire_dtype)
-
-    def branch(ratio, record):
-        def run(vs, us, memories):
-            with contextlib.nullcontext() if record else collectives.unrecorded():
-                rows = zip(vs, us, memories, wire_dtypes, strict=True)
-                outs = [one(ratio, *a) for a in rows]
-            return tuple(list(t) for t in zip(*outs, strict=True)) if outs else ([],) * 4
-
-        return run
-
-    last = len(opts.ratios) - 1
-    branches = [branch(r, i == last) for i, r in enumerate(opts.ratios)]
-    if len(branches) == 1:
-        return branches[0](vs, us, memories)
-    phase = jnp.minimum(step // opts.steps_per_phase, last)
-    return jax.lax.switch(phase, branches, vs, us, memories)
-
-
 def _check_unit(name: str, value, low_open: bool = True, high: float = 1.0) -> float:
     ok = isinstance(value, int | float | np.floating) and not isinstance(value, bool)
     if ok and (0.0 < value <= high if low_open else 0.0 <= value < high):
@@ -265,16 +91,6 @@ def _check_int(name: str, value, least: int) -> int:
     if isinstance(value, int | np.integer) and not isinstance(value, bool) and value >= least:
         return int(value)
     raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-def _check_band(band) -> tuple[float, float]:
-    try:
-        low, high = (float(b) for b in band)
-    except (TypeError, ValueError):
-        raise ValueError(f"accept_band must be a pair (low, high), got {band!r}") from None
-    if not 0.0 < low <= 1.0 <= high:
-        raise ValueError(f"accept_band must satisfy 0 < low <= 1 <= high, got {band!r}")
-    return low, high
 
 
 def _check_warmup(warmup_ratios) -> tuple[float, ...]:
@@ -374,7 +190,7 @@ def dgc(
     * **Exchange**: the default ``"all_gather"`` gathers every worker's
       payload above.  ``"scatter_gather"`` or :func:`compjax.hierarchical`
       send ``v_i`` through :func:`compjax.exchange.compressed_mean` with
-      ``compjax.top_k(ratio=phase ratio)``: the exact top-``k`` of each shard
+      ``compjax.top_k(ratio=phase ratio)``: the top-``k`` of each shard
       (``k = max(1, round(ratio m))`` of its ``m`` entries), summed by the
       shard's owner, whose top-``k`` of the sum plus its error memory
       (``server_error``, DoubleSqueeze) is all-gathered.  The worker side is
@@ -382,12 +198,12 @@ def dgc(
       of the exchange (:class:`compjax.exchange.Exchanged`; on a
       scatter-gather exactly its own sent entries), and ``u_i`` is masked
       where ``local_i != 0``.  Nothing is lost: ``n sum_t update_t + sum_i
-      v_i + sum_j server_error_j = sum_t sum_i (accumulated g_i)``.  The
-      sampled threshold selects a whole leaf's entries for one payload and
-      has no per-shard form here, so these exchanges use the exact top-k:
-      ``sampled_threshold=True`` with them raises ``ValueError`` and the
-      default ``None`` picks the exact top-k (``sample_ratio``,
-      ``accept_band``, ``max_adaptation_iters`` then have no effect).  On a
+      v_i + sum_j server_error_j = sum_t sum_i (accumulated g_i)``.  With
+      ``sampled_threshold=True`` each shard's top-k is the sampled
+      threshold (``top_k(select="threshold")`` with ``accept_band``,
+      ``sample_ratio``, ``max_adaptation_iters``: between ``ceil(lo k)`` and
+      ``floor(hi k)`` entries per shard, in ``floor(hi k)`` slots); the
+      default ``None`` picks the exact top-k on these exchanges.  On a
       hierarchical exchange a worker's whole ``v_i`` leaves it over the fast
       axis, so ``v_i`` keeps only the residual of the shard it owns and
       masking clears ``u_i`` nearly everywhere.
@@ -407,8 +223,9 @@ def dgc(
       momentum_masking: clear ``u`` where ``v`` was sent.
       warmup_ratios: densities of the warm-up phases, each in ``(0, 1]``.
       warmup_steps_per_phase: steps per warm-up phase; 0 turns warm-up off.
-      sampled_threshold: sampled threshold (``True``) or exact top-k
-        (``False``); ``None``: sampled on ``"all_gather"``, exact otherwise.
+      sampled_threshold: sampled threshold (``True``; per shard on the
+        other exchanges) or exact top-k (``False``); ``None``: sampled on
+        ``"all_gather"``, exact otherwise.
       sample_ratio: fraction of entries sampled for the threshold, ``(0, 1]``.
       accept_band: ``(low, high)`` counts relative to ``k`` accepted from the
         threshold, ``0 < low <= 1 <= high``.
@@ -430,9 +247,8 @@ def dgc(
     Raises:
       ValueError: a parameter outside its range or an invalid
         ``state_dtype`` (the message names it),
-        ``nesterov`` without ``momentum_correction``, an unknown ``exchange``,
-        or ``sampled_threshold=True`` with an exchange other than
-        ``"all_gather"``.
+        ``nesterov`` without ``momentum_correction``, or an unknown
+        ``exchange``.
 
     References:
       Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
@@ -448,12 +264,7 @@ def dgc(
     warm = _check_warmup(warmup_ratios)
     route = as_exchange(exchange)
     own_gather = route == Exchange()  # DGC's own payload, all-gathered
-    if sampled_threshold and not own_gather:
-        raise ValueError(
-            f"sampled_threshold=True needs exchange='all_gather', got {exchange!r}: the other "
-            "exchanges take the exact top-k of each shard (pass sampled_threshold=False or None)"
-        )
-    opts = _Options(
+    opts = Options(
         axis_name=axis_name,
         momentum=_check_unit("momentum", momentum, low_open=False),
         nesterov=bool(nesterov),
@@ -464,7 +275,7 @@ def dgc(
         steps_per_phase=steps,
         sampled_threshold=own_gather if sampled_threshold is None else bool(sampled_threshold),
         sample_ratio=_check_unit("sample_ratio", sample_ratio),
-        band=_check_band(accept_band),
+        band=check_band(accept_band, "accept_band"),
         max_adaptation_iters=_check_int("max_adaptation_iters", max_adaptation_iters, 0),
         min_size=_check_int("min_size", min_size, 1),
         exchange=None if own_gather else route,
@@ -496,15 +307,15 @@ def dgc(
         out, new_us, new_vs, new_ms = [None] * len(vs), list(us), list(vs), list(ms)
         sparse = []
         for i, g in enumerate(leaves.arrays):
-            g = _clip(g, opts, n)
+            g = clip(g, opts, n)
             if g.size < opts.min_size:
-                out[i], new_us[i] = _dense(g, us[i], opts, n)
+                out[i], new_us[i] = dense_leaf(g, us[i], opts, n)
             else:
                 sparse.append(i)
-                new_us[i], new_vs[i] = _accumulate(g, us[i], vs[i], opts)
+                new_us[i], new_vs[i] = accumulate(g, us[i], vs[i], opts)
         pick = lambda xs: [xs[i] for i in sparse]  # noqa: E731
         wire = [leaves.arrays[i].dtype for i in sparse]
-        sent = _exchange(pick(new_vs), pick(new_us), pick(ms), state.step, opts, n, wire)
+        sent = exchange_sparse(pick(new_vs), pick(new_us), pick(ms), state.step, opts, n, wire)
         for j, i in enumerate(sparse):
             out[i], new_us[i], new_vs[i], new_ms[i] = (s[j] for s in sent)
         new_state = DGCState(

@@ -1,0 +1,167 @@
+"""The flat exchanges: how one array's compressed mean travels over one set of axes.
+
+:mod:`compjax.exchange` picks one of these for each message (and adds the
+hierarchical exchange, the overflow guard, buckets in pieces and the
+dtypes); each takes the compressor, a key all workers share, this worker's
+array (a flat array in :class:`compjax.pieces.Pieces` for the first two),
+the axes' names and their number of workers ``n``:
+
+* :func:`gathered_mean`: one payload of the whole array, all-gathered and
+  decoded ``n`` times, or for a ``linear`` compressor ``psum``-ed and
+  decoded once;
+* :func:`summed_mean`: a ``summable`` compressor's integer codes for one
+  shared scale (``pmax``), summed by ``psum``;
+* :func:`scatter_gathered`: the compressed all-reduce of ``"scatter_gather"``,
+  the scatter half (:func:`compjax.scatter.scatter`) followed by a second
+  compression and an all-gather.
+
+The second compression of ``"scatter_gather"``.  Worker ``j`` holds
+``S_j = sum_i C_1(x_i^j)`` and sends ``C_2(S_j + m_j)``:
+
+* for an **unbiased** compressor ``m_j = 0`` and the mean stays unbiased.  Its
+  exact variance, for independent first-stage draws, is
+
+      E||mean - x_bar||^2 = (1/n^2) [ sum_i V_1(x_i) + E V_2(S) ],
+
+  with ``V(y) = E||C(y) - y||^2`` the compressor's own variance on ``y``
+  (summed over shards).  With ``V(y) <= omega ||y||^2`` this is at most
+  ``(1/n^2) [ (1 + omega_2) omega_1 sum_i ||x_i||^2 + omega_2 ||sum_i x_i||^2 ]``,
+  with equality for compressors whose variance is exactly ``omega ||y||^2``
+  (random-k): :func:`two_stage_variance` and ``proofs_checks/two_stage.py``.
+* for a **biased** compressor the shard's owner keeps an error memory ``m_j``
+  (DoubleSqueeze, Tang et al. 2019): ``m_j <- S_j + m_j - C_2(S_j + m_j)``, so
+  nothing is lost: what is applied plus the memories equals what was sent.
+
+References:
+  Tang, Yu, Lian, Zhang, Liu, "DoubleSqueeze: Parallel Stochastic Gradient
+  Descent with Double-Pass Error-Compensated Compression", ICML 2019.
+  Patarasuk, Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+  workstations", JPDC 2009 (reduce-scatter + all-gather).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from compjax import collectives
+from compjax.collectives import record, worker_index
+from compjax.overflow import mean_without_overflow
+from compjax.pieces import Pieces
+from compjax.scatter import block_of, decoded_sum, placed_block, scatter
+
+
+def compress_message(comp, key, x):
+    """``comp``'s payload of an array, or of a flat array in pieces."""
+    return comp.compress_pieces(key, x) if isinstance(x, Pieces) else comp.compress(key, x)
+
+
+def _times(x, scale: float):
+    """``x * scale`` in ``x``'s dtype (for a flat array in pieces, piece by piece)."""
+    if isinstance(x, Pieces):
+        return Pieces(tuple(s * jnp.asarray(scale, s.dtype) for s in x.sources), x.ranges, x.dtype)
+    return x * jnp.asarray(scale, x.dtype)
+
+
+def gathered_mean(comp, key, x, names, n, guard=True):
+    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own decoded)``."""
+    if comp.linear:
+
+        def summed(scale):
+            payload = compress_message(comp, key, x if scale == 1.0 else _times(x, scale))
+            record("payload", payload, "all_reduce", names)
+            total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
+            return comp.decompress(total).astype(jnp.float32), payload
+
+        total, payload = summed(1.0)
+        if not guard:
+            return total / n, comp.decompress(payload)
+        # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
+        return mean_without_overflow(total, lambda s: summed(s)[0], n), comp.decompress(payload)
+    payload = compress_message(comp, collectives.worker_key(key, names), x)
+    record("payload", payload, "all_gather", names)
+    gathered = collectives.all_gather(payload, names)
+    total = decoded_sum(comp, gathered, n)
+    if not guard:
+        return total / n, comp.decompress(payload)
+    return mean_without_overflow(
+        total, lambda s: decoded_sum(comp, gathered, n, s), n
+    ), comp.decompress(payload)
+
+
+def summed_mean(comp, key, flat, names, n, guard=True):
+    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``.
+
+    A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
+    signs from ``key``, which all workers share: the rotation is linear, so
+    the summed codes are unrotated once.  ``flat`` may be in
+    :class:`compjax.pieces.Pieces`, which the summable protocol's
+    ``rotate_in``, ``scale_of`` and ``encode_words`` take.
+    """
+    d = flat.shape[0]
+    flat = comp.rotate_in(key, flat)
+    scale = collectives.pmax(comp.scale_of(flat), names)
+    record("scale", scale, "all_reduce", names)
+    words = comp.encode_words(collectives.worker_key(key, names), flat, scale, n)
+    record("payload", words, "all_reduce", names)
+    m = flat.shape[0]
+    summed = collectives.psum(words, names)
+    total = comp.decode_words(summed, scale, n, n, m)
+    mean = (
+        mean_without_overflow(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
+        if guard
+        else total / n
+    )
+    own = comp.decode_words(words, scale, 1, n, m)
+    return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d)
+
+
+def scatter_gathered(comp, key, flat, memory, names, n):
+    """Compressed all-reduce of a flat array: ``(sum over workers, local, new memory)``.
+
+    See the module docstring: shards compressed and all-to-all-ed, decoded
+    and summed by their owner (:func:`compjax.scatter.scatter`), compressed again (with the
+    owner's memory for a biased compressor) and all-gathered.
+    """
+    d = flat.shape[0]
+    if d == 0:
+        return jnp.zeros((0,), jnp.float32), flat, memory
+    me = worker_index(names)
+    first_key, second_key = jax.random.split(key)
+    mine, own = scatter(comp, first_key, flat, names, n)
+    target = mine if memory is None else mine + block_of(memory, me, n).astype(jnp.float32)
+    second = comp.compress(jax.random.fold_in(second_key, me), target.astype(flat.dtype))
+    record("gather", second, "all_gather", names)
+    sent = comp.decompress(second).astype(jnp.float32)
+    gathered = collectives.all_gather(second, names)
+    total = jax.vmap(comp.decompress)(gathered).astype(jnp.float32).reshape(-1)[:d]
+    if memory is not None:
+        return total, own, placed_block(target - sent, me, n, d)
+    return total, own + placed_block(sent - mine, me, n, d), None
+
+
+def two_stage_variance(first: list[float], second: float, n: int) -> float:
+    """Exact variance of the scatter-gather mean, from the stages' own variances.
+
+    Args:
+      first: ``V_1(x_i) = E||C_1(x_i) - x_i||^2`` for each worker ``i``
+        (summed over its shards).
+      second: ``E V_2(S)``, the expected second-stage variance on the summed
+        shards ``S`` (summed over shards).
+      n: number of workers.
+
+    Returns:
+      ``E||mean - x_bar||^2 = (sum_i V_1(x_i) + E V_2(S)) / n^2``.
+    """
+    return (sum(first) + second) / n**2
+
+
+def two_stage_bound(sq_norms: list[float], sq_norm_sum: float, omega1: float, omega2: float):
+    """The bound ``((1 + omega_2) omega_1 sum_i ||x_i||^2 + omega_2 ||sum_i x_i||^2) / n^2``.
+
+    Exact when each stage's variance is exactly ``omega ||y||^2`` (random-k).
+    """
+    n = len(sq_norms)
+    return ((1 + omega2) * omega1 * sum(sq_norms) + omega2 * sq_norm_sum) / n**2
