@@ -210,7 +210,8 @@ def _sign_draws(key, n: int, rounds: int):
 def _fuses_signs(key, x: jax.Array, rounds: int) -> bool:
     """Whether :func:`rotate_key` draws the signs inside the blocked passes."""
     n = x.shape[-1]
-    return x.ndim == 1 and n > _BLOCK and counts_entries(key, rounds * n)
+    float32 = x.dtype == jnp.float32  # the flips are sign-bit xors of 32-bit words
+    return float32 and x.ndim == 1 and n > _BLOCK and counts_entries(key, rounds * n)
 
 
 def rotate_key(key, x: jax.Array, rounds: int = 1) -> jax.Array:
