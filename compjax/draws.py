@@ -70,7 +70,7 @@ def counts_entries(key, n: int) -> bool:
     return uses_threefry(key) and n <= _MAX_COUNTER
 
 
-def random_bits(key, shape, offset: int = 0) -> jax.Array:
+def random_bits(key, shape, offset: int | jax.Array = 0) -> jax.Array:
     """Uniform uint32 draws of ``shape``, one per entry, from a PRNG ``key``.
 
     For threefry keys (JAX's default) one threefry draw gives a 64-bit seed
@@ -82,10 +82,19 @@ def random_bits(key, shape, offset: int = 0) -> jax.Array:
     that chooses the bits controls every entry's draw.
 
     ``offset``: the entries are entries ``offset ..`` of a larger array drawn
-    with the same key (counter-drawn keys only, :func:`counts_entries`).
+    with the same key (counter-drawn keys only, :func:`counts_entries`); or
+    a uint32 array of each entry's counter (of ``shape``, or broadcasting to
+    it): the draws of those entries of the larger array, wherever they lie
+    (threefry keys only).
     """
     shape = tuple(shape)
     n = math.prod(shape)
+    if not isinstance(offset, int):  # each entry's own counter
+        if not uses_threefry(key):
+            raise ValueError("counters: only counter-drawn (threefry) keys draw given entries")
+        seed = jax.random.bits(key, (2,), jnp.uint32)
+        counters = jnp.broadcast_to(jnp.asarray(offset, jnp.uint32), shape)
+        return mix32(mix32(counters + seed[0]) ^ seed[1])
     if counts_entries(key, offset + n):
         seed = jax.random.bits(key, (2,), jnp.uint32)
         return counter_bits(seed, n, offset).reshape(shape)
@@ -94,7 +103,7 @@ def random_bits(key, shape, offset: int = 0) -> jax.Array:
     return jax.random.bits(key, shape, jnp.uint32)
 
 
-def bernoulli(key, p: jax.Array, offset: int = 0) -> jax.Array:
+def bernoulli(key, p: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
     """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
 
     Compares 32 random bits (:func:`random_bits`) with ``p * 2**32``: the

@@ -290,15 +290,17 @@ def test_packed_layout_matches_its_transcription(width, per_word):
             np.testing.assert_array_equal(np.concatenate(spans), words)
 
 
-def test_split_coding_equals_whole_coding():
-    """The planar layout codes whole groups and the last partial one separately (draws at
-    their offsets): the words equal those of the codes drawn for the whole array at once."""
+@pytest.mark.parametrize("summands", [2, N])
+def test_split_coding_equals_whole_coding(summands):
+    """The planar layout codes each field of the whole groups, and the last partial group,
+    apart (draws at their entries' counters): the words equal those of the codes drawn for
+    the whole array at once (6 and 5 fields per word)."""
     key = jax.random.key(3)
-    n = 2 * COMP.unit(N) + 17
+    n = 2 * COMP.unit(summands) + 17
     x = jax.random.normal(jax.random.key(4), (n,))
     scale = COMP.scale_of(x)
-    split = COMP.encode_words(key, x, scale, N)
-    whole = COMP._words(COMP.codes(key, x, scale), N)
+    split = COMP.encode_words(key, x, scale, summands)
+    whole = COMP._words(COMP.codes(key, x, scale), summands)
     np.testing.assert_array_equal(split, whole)
-    decoded = COMP.decode_words(split, scale, 1, N, n)
+    decoded = COMP.decode_words(split, scale, 1, summands, n)
     np.testing.assert_array_equal(decoded, COMP.codes(key, x, scale) / COMP.levels * scale)

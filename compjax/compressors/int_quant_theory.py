@@ -1,0 +1,45 @@
+"""The variance constants of :func:`compjax.int_quant`, exact and with the rotation.
+
+The derivations are in :mod:`compjax.compressors.int_quant`'s docstring;
+``proofs_checks/int_quant.py`` and ``tests/test_int_quant.py`` check them.
+"""
+
+from __future__ import annotations
+
+import math
+
+from compjax import hadamard
+
+
+def int_quant_omega(d: int, bits: int) -> float:
+    """``omega(d) = (sqrt(1 + (d - 1)/s**2) - 1)/2`` for ``s = 2**(bits-1) - 1`` (exact)."""
+    if d <= 1:
+        return 0.0
+    s = 2 ** (bits - 1) - 1
+    return (math.sqrt(1.0 + (d - 1) / s**2) - 1.0) / 2.0
+
+
+def int_quant_rotated_omega(d: int, bits: int, workers: int = 1) -> float:
+    """``min(omega(n d'), n (ln(2 n d') + 1) / (2 s**2))`` with ``d'`` the padded size (a bound).
+
+    For ``workers = 1`` the ``omega`` of ``int_quant(bits, rotate=True)``;
+    divided by ``workers**2`` the mean's constant (see the module docstring).
+    """
+    if d <= 1:
+        return 0.0
+    padded = hadamard.next_power_of_two(d)
+    s = 2 ** (bits - 1) - 1
+    tail = workers * (math.log(2 * workers * padded) + 1.0) / (2 * s**2)
+    return min(int_quant_omega(workers * padded, bits), tail)
+
+
+def int_quant_mean_omega(d: int, bits: int, workers: int, rotate: bool = False) -> float:
+    """The constant ``c`` of ``E||mean - x_bar||^2 <= c sum_i ||x_i||^2`` over ``workers``.
+
+    ``c = omega(workers * d) / workers**2``: one scale for all workers'
+    entries (see the module docstring).  With ``rotate=True``
+    ``min(omega(n d'), n (ln(2 n d') + 1) / (2 s**2)) / n**2`` (a bound).
+    """
+    if rotate:
+        return int_quant_rotated_omega(d, bits, workers) / workers**2
+    return int_quant_omega(workers * d, bits) / workers**2
