@@ -283,7 +283,7 @@ def _unguarded(run, x, memory, n):
 
 
 def compressed_reduce_scatter(
-    comp: Compressor, key, x: jax.Array, axis_name: AxisName
+    comp: Compressor, key, x: jax.Array, axis_name: AxisName, scale: jax.Array | None = None
 ) -> Exchanged:
     """The mean over workers of ``comp`` applied to each worker's ``x``, ending in shards.
 
@@ -315,6 +315,9 @@ def compressed_reduce_scatter(
       key: a PRNG key shared by all workers.
       x: this worker's array.
       axis_name: every data-parallel axis (a name or a tuple of names).
+      scale: for a ``summable`` compressor, the shared scale if already agreed
+        (:func:`compjax.scatter.shared_scales`, one ``pmax`` for many arrays); ``None``
+        agrees on it here.
 
     Returns:
       :class:`Exchanged` whose ``mean`` is the mean of this worker's block
@@ -338,7 +341,7 @@ def compressed_reduce_scatter(
             mean=padded_to(local.reshape(-1), math.ceil(flat.shape[0] / n)), local=local
         )
     if summable(comp):
-        total, own = summed_scatter(comp, key, flat, names, n)
+        total, own = summed_scatter(comp, key, flat, names, n, scale)
     elif comp.linear:
         total, own = linear_scatter(comp, key, flat, names, n)
     else:

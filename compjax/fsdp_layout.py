@@ -62,3 +62,34 @@ def spec_dim(spec: jax.sharding.PartitionSpec) -> int | None:
     """The dimension a :func:`fsdp_specs` spec splits, or ``None`` for ``P()``."""
     split = [i for i, entry in enumerate(tuple(spec)) if entry is not None]
     return split[0] if split else None
+
+
+def opt_state_specs(opt, params, dims, n: int, axis_name):
+    """The optax state's specs: a leaf whose shape shrinks when ``opt.init`` sees the shards is
+    laid out like a parameter, split ``n`` ways along the dimension that shrank; every other
+    leaf (a step count) is replicated."""
+    shards = jax.tree.map(
+        lambda p, dim: jax.ShapeDtypeStruct(
+            tuple(s // n if i == dim else s for i, s in enumerate(np.shape(p))), p.dtype
+        ),
+        params,
+        dims,
+        is_leaf=lambda x: x is None,
+    )
+    whole = jax.eval_shape(opt.init, params)
+    part = jax.eval_shape(opt.init, shards)
+
+    def spec(full, shard):
+        shrunk = [i for i, (a, b) in enumerate(zip(full.shape, shard.shape, strict=True)) if a != b]
+        if not shrunk:
+            return P()
+        i = shrunk[0]
+        if len(shrunk) > 1 or full.shape[i] != n * shard.shape[i]:
+            raise ValueError(
+                f"fsdp: an optimizer state leaf of shape {full.shape} is not laid out like a "
+                f"parameter (its shape on a shard is {shard.shape}); fsdp needs an elementwise "
+                f"optimizer (sgd, momentum, adam, adamw, lion, ...)"
+            )
+        return P(*[axis_name if j == i else None for j in range(len(full.shape))])
+
+    return jax.tree.map(spec, whole, part)

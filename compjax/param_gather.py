@@ -61,6 +61,20 @@ def dequantize_blocks(codes: jax.Array, steps: jax.Array, shape, dtype) -> jax.A
     return to_dtype(flat[: int(np.prod(shape, dtype=np.int64))].reshape(shape), dtype)
 
 
+def joined_bytes(codes: jax.Array, steps: jax.Array) -> jax.Array:
+    """int8 ``codes`` and float32 ``steps`` as one int8 vector: the codes, then the steps'
+    bytes (the same bits on the wire as the two arrays)."""
+    raw = jax.lax.bitcast_convert_type(steps, jnp.int8).reshape(-1)
+    return jnp.concatenate([codes.reshape(-1), raw])
+
+
+def split_bytes(message: jax.Array, codes_shape) -> tuple[jax.Array, jax.Array]:
+    """The inverse of :func:`joined_bytes`: ``(codes, steps)``."""
+    size = int(np.prod(codes_shape))
+    steps = jax.lax.bitcast_convert_type(message[size:].reshape(-1, 4), jnp.float32)
+    return message[:size].reshape(codes_shape), steps
+
+
 def gathered(shard: jax.Array, dim: int | None, axis_name: str, gather, block: int):
     """The whole parameter from every worker's ``shard`` (split along ``dim``), as gathered."""
     if dim is None:
@@ -73,9 +87,13 @@ def gathered(shard: jax.Array, dim: int | None, axis_name: str, gather, block: i
         # A shard smaller than a block is one block of its own size (no padding on the wire).
         codes, steps = quantize_blocks(moved, max(1, min(block, moved.size)))
         record("param_gather", (codes, steps), "all_gather", axis_name)
-        every = collectives.all_gather((codes, steps), axis_name)
-        decode = lambda c, s: dequantize_blocks(c, s, moved.shape, shard.dtype)  # noqa: E731
-        parts = jax.vmap(decode)(*every)
+        # One message: the codes, then the steps' float32 bytes (a collective each would
+        # double the gathers, and between processes each costs its own round trip).
+        every = collectives.all_gather(joined_bytes(codes, steps), axis_name)
+        decode = lambda m: dequantize_blocks(  # noqa: E731
+            *split_bytes(m, codes.shape), moved.shape, shard.dtype
+        )
+        parts = jax.vmap(decode)(every)
         whole = parts.reshape((-1, *moved.shape[1:]))
     else:
         low = to_dtype(moved, jnp.dtype(gather))  # saturating: float8 has no Inf

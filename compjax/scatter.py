@@ -12,6 +12,9 @@ worker ``j`` to receive the sum over workers of block ``j``:
 * :func:`linear_scatter`: a ``linear`` compressor's payloads for a shared
   key, reduce-scattered and decoded once.
 
+:func:`shared_scales` agrees on the summable scales of many arrays in one
+``pmax`` (sharded training reduce-scatters every leaf in one step).
+
 ``"scatter_gather"`` follows :func:`scatter` with a compressed all-gather;
 :func:`compjax.exchange.compressed_reduce_scatter` (sharded training) stops
 after it.
@@ -106,15 +109,30 @@ def scatter(comp, key, flat, names, n):
     return decoded_sum(comp, collectives.all_to_all(payloads, names), n), own
 
 
-def summed_scatter(comp, key, flat, names, n):
-    """Shared scale, each block's integer codes reduce-scattered: ``(owned block's sum, own)``."""
+def rotated_blocks(comp, key, flat, n):
+    """``flat``'s ``n`` blocks, each rotated with the shared signs (as they are unless the
+    summable compressor rotates): what :func:`summed_scatter` codes."""
+    return jax.vmap(lambda b: comp.rotate_in(key, b))(split_blocks(flat, n))
+
+
+def local_scale(comp, key, flat, n):
+    """This worker's part of :func:`summed_scatter`'s shared scale (before the ``pmax``)."""
+    return comp.scale_of(rotated_blocks(comp, key, flat, n).reshape(-1))
+
+
+def summed_scatter(comp, key, flat, names, n, scale=None):
+    """Shared scale, each block's integer codes reduce-scattered: ``(owned block's sum, own)``.
+
+    ``scale``: the shared scale, already agreed (the ``pmax`` of every worker's
+    :func:`local_scale`); ``None`` agrees on it here.
+    """
     d = flat.shape[0]
-    blocks = split_blocks(flat, n)
-    m = blocks.shape[1]
-    rotated = jax.vmap(lambda b: comp.rotate_in(key, b))(blocks)  # shared signs: linear
+    m = split_blocks(flat, n).shape[1]
+    rotated = rotated_blocks(comp, key, flat, n)  # shared signs: linear
     size = rotated.shape[1]
-    scale = collectives.pmax(comp.scale_of(rotated.reshape(-1)), names)
-    record("scale", scale, "all_reduce", names)
+    if scale is None:
+        scale = collectives.pmax(comp.scale_of(rotated.reshape(-1)), names)
+        record("scale", scale, "all_reduce", names)
     block_keys = jax.random.split(collectives.worker_key(key, names), n)
     words = jax.vmap(lambda k, b: comp.encode_words(k, b, scale, n))(block_keys, rotated)
     record("payload", words, "reduce_scatter", names)
@@ -136,3 +154,27 @@ def linear_scatter(comp, key, flat, names, n):
     total = comp.decompress(mine).astype(jnp.float32)
     own = jax.vmap(comp.decompress)(payloads).astype(jnp.float32).reshape(-1)[:d]
     return total, own
+
+
+def shared_scales(comp: Compressor, keys, xs: list[jax.Array], axis_name):
+    """The shared scales of ``compressed_reduce_scatter(comp, keys[i], xs[i], axis_name)``
+    (:func:`compjax.exchange.compressed_reduce_scatter`) for every ``i``, agreed in one
+    ``pmax`` of a vector (one message, not one per array).
+
+    ``None`` where the arrays need no agreed scale (a compressor that is not
+    ``summable``, one worker, or no array with entries); else a list with a
+    float32 scale for each array (``None`` for empty ones), to pass as
+    :func:`compressed_reduce_scatter`'s ``scale``.
+    """
+    names = collectives._names(axis_name)
+    n = collectives.num_workers(axis_name)
+    sized = [i for i, x in enumerate(xs) if x.size]
+    if not summable(comp) or n == 1 or not sized:
+        return None
+    local = jnp.stack([local_scale(comp, keys[i], xs[i].reshape(-1), n) for i in sized])
+    agreed = collectives.pmax(local, names)
+    record("scale", agreed, "all_reduce", names)
+    scales = [None] * len(xs)
+    for j, i in enumerate(sized):
+        scales[i] = agreed[j]
+    return scales

@@ -52,8 +52,9 @@ from compjax.collectives import (
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
 from compjax.exchange import compressed_reduce_scatter
-from compjax.fsdp_layout import fsdp_specs, spec_dim
+from compjax.fsdp_layout import fsdp_specs, opt_state_specs, spec_dim
 from compjax.param_gather import GATHERS, gathered
+from compjax.scatter import shared_scales
 from compjax.transforms.base import all_finite, any_non_finite, init_key, step_keys
 
 P = jax.P
@@ -107,37 +108,6 @@ class FSDP(NamedTuple):
     param_specs: Any
     specs: Any
     exchange: Callable[[Any], Any]
-
-
-def _opt_state_specs(opt, params, dims, n: int, axis_name):
-    """The optax state's specs: a leaf whose shape shrinks when ``opt.init`` sees the shards is
-    laid out like a parameter, split ``n`` ways along the dimension that shrank; every other
-    leaf (a step count) is replicated."""
-    shards = jax.tree.map(
-        lambda p, dim: jax.ShapeDtypeStruct(
-            tuple(s // n if i == dim else s for i, s in enumerate(np.shape(p))), p.dtype
-        ),
-        params,
-        dims,
-        is_leaf=lambda x: x is None,
-    )
-    whole = jax.eval_shape(opt.init, params)
-    part = jax.eval_shape(opt.init, shards)
-
-    def spec(full, shard):
-        shrunk = [i for i, (a, b) in enumerate(zip(full.shape, shard.shape, strict=True)) if a != b]
-        if not shrunk:
-            return P()
-        i = shrunk[0]
-        if len(shrunk) > 1 or full.shape[i] != n * shard.shape[i]:
-            raise ValueError(
-                f"fsdp: an optimizer state leaf of shape {full.shape} is not laid out like a "
-                f"parameter (its shape on a shard is {shard.shape}); fsdp needs an elementwise "
-                f"optimizer (sgd, momentum, adam, adamw, lion, ...)"
-            )
-        return P(*[axis_name if j == i else None for j in range(len(full.shape))])
-
-    return jax.tree.map(spec, whole, part)
 
 
 def fsdp(
@@ -264,7 +234,7 @@ def fsdp(
         for i in ef_leaves
     }
     specs = FSDPState(
-        opt_state=_opt_state_specs(opt, params, dims, n, shard_axes),
+        opt_state=opt_state_specs(opt, params, dims, n, shard_axes),
         key=P(),
         memory=tuple(P(shard_axes) for _ in ef_leaves),
         shift=tuple(jax.tree.leaves(param_specs, is_leaf=is_spec)[i] for i in ef_leaves)
@@ -272,30 +242,42 @@ def fsdp(
         else (),
     )
 
-    def reduced(key, g, dim, memory, shift):
-        """This worker's mean shard of gradient ``g`` (split along ``dim``), with the new memory
-        and shift of ``feedback``."""
+    def prepared(key, g, dim, memory):
+        """What one leaf sends over ``slow``: ``(x, key, moved, memory, shard_shape)``, ``x``
+        the gradient ``g`` with its split dimension first (on a pair, this worker's ``1/L``
+        averaged over its host) plus or minus the memory; ``None`` for a replicated leaf."""
         if dim is None:
-            g = g if fast is None else hpz.fast_summed(g, fast)
-            record("replicated_mean", g, "all_reduce", slow)
-            return collectives.psum(g, slow) / n, None, None
+            return None
         moved = jnp.moveaxis(g, dim, 0)
         shard_shape = (moved.shape[0] // n, *moved.shape[1:])
         if fast is not None:  # the host's mean of this worker's 1/L, with a key of its own
             moved = hpz.locally_reduced(moved, fast)
             key = jax.random.fold_in(key, worker_index(fast))
+        if feedback is None:
+            return moved, key, moved, None, shard_shape
+        memory = jnp.moveaxis(memory, dim, 0)
+        x = moved + memory if feedback == "ef" else moved - memory
+        return x.astype(g.dtype), key, moved, memory, shard_shape
+
+    def reduced(prep, g, dim, shift, scale):
+        """This worker's mean shard of gradient ``g`` (split along ``dim``), with the new memory
+        and shift of ``feedback``; ``prep`` is :func:`prepared`'s, ``scale`` the agreed scale
+        of a summable compressor (``None``: agreed in the reduce-scatter)."""
+        if dim is None:
+            g = g if fast is None else hpz.fast_summed(g, fast)
+            record("replicated_mean", g, "all_reduce", slow)
+            return collectives.psum(g, slow) / n, None, None
+        x, key, moved, memory, shard_shape = prep
 
         def to_shard(flat):
             return jnp.moveaxis(flat.reshape(shard_shape), 0, dim)
 
+        sent = compressed_reduce_scatter(comp, key, x, slow, scale)
         if feedback is None:
-            return to_shard(compressed_reduce_scatter(comp, key, moved, slow).mean), None, None
-        memory = jnp.moveaxis(memory, dim, 0)
+            return to_shard(sent.mean), None, None
         if feedback == "ef":
             target = moved + memory
-            sent = compressed_reduce_scatter(comp, key, target.astype(g.dtype), slow)
             return to_shard(sent.mean), jnp.moveaxis(target - sent.local, 0, dim), None
-        sent = compressed_reduce_scatter(comp, key, (moved - memory).astype(g.dtype), slow)
         new_memory = jnp.moveaxis(memory + sent.local, 0, dim)
         new_shift = shift + to_shard(sent.mean).astype(shift.dtype)
         return new_shift.astype(g.dtype), new_memory, new_shift
@@ -319,9 +301,17 @@ def fsdp(
         for j, i in enumerate(ef_leaves):
             memories[i] = state.memory[j][0]
             shifts[i] = state.shift[j] if feedback == "ef21" else None
+        preps = [prepared(*a) for a in zip(keys, leaves, dim_list, memories, strict=True)]
+        sent = [i for i, p in enumerate(preps) if p is not None]
+        # A summable compressor's scales, agreed in one pmax for every sharded leaf.
+        agreed = shared_scales(comp, [preps[i][1] for i in sent], [preps[i][0] for i in sent], slow)
+        scales = [None] * len(leaves)
+        for j, i in enumerate(sent):
+            scales[i] = None if agreed is None else agreed[j]
         shards, new_memories, new_shifts = [], [], []
-        for k, g, dim, e, h in zip(keys, leaves, dim_list, memories, shifts, strict=True):
-            shard, new_e, new_h = reduced(k, g, dim, e, h)
+        rows = zip(preps, leaves, dim_list, memories, shifts, scales, strict=True)
+        for p, g, dim, e, h, c in rows:
+            shard, new_e, new_h = reduced(p, g, dim, h, c)
             shards.append(shard)
             if e is not None:
                 new_memories.append(new_e.astype(e.dtype)[None])

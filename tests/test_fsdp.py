@@ -1,6 +1,7 @@
 """compjax.fsdp: sharded parameters and optimizer state, a compressed gradient reduce-scatter."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -383,3 +384,30 @@ def test_communication_counts_the_gather_and_the_gradient_exchange_apart(lossles
     block = compjax.wire_bits(TOPK.compress(None, jnp.ones(12)))
     assert block == 3 * 64  # 3 of 12 entries: int32 index and float32 value
     assert report.gradient_bits == 7 / 8 * N * block + 2 * 7 / 8 * 6 * 32 + 2 * 7 / 8 * 8
+
+
+def test_zero_plus_plus_sends_one_gather_per_leaf_and_one_scale_pmax_per_step():
+    """ZeRO++'s recipe on three sharded leaves: each leaf's int8 codes and steps travel in one
+    all-gather, and the three summable scales are agreed in one pmax (each collective between
+    processes costs a round trip, however small); the words are reduce-scattered per leaf."""
+    params = {k: jnp.ones((16, 6)) for k in ("u", "v", "w")}
+    mesh = jax.make_mesh((N,), ("data",))
+    fs = compjax.fsdp(
+        lambda p, x, y: loss({"w": p["u"] + p["v"] * p["w"], "b": 0.0}, x, y),
+        optax.sgd(LR),
+        params,
+        mesh,
+        min_size=MIN_SIZE,
+        compressor=compjax.int_quant(4),
+        gather="int8",
+    )
+    jaxpr = str(jax.make_jaxpr(fs.step)(params, fs.init(params), *batch(0)))
+    collectives = re.findall(r"(all_gather\w*|reduce_scatter|pmax|psum\w*|all_to_all)\[", jaxpr)
+    # Per leaf a gather and a reduce-scatter; one pmax of the three scales, one of the
+    # non-finite flag; the loss's mean.
+    assert sorted(collectives) == sorted(
+        ["all_gather_invariant"] * 3 + ["reduce_scatter"] * 3 + ["pmax"] * 2 + ["psum_invariant"]
+    )
+    report = compjax.communication(fs, params, mesh=mesh)
+    assert sum(1 for kind, _ in report.payloads if kind == "scale") == 1
+    assert dict(report.payloads)["scale"] == 3 * 32
