@@ -224,6 +224,7 @@ def main(argv=None) -> int:
             for n in workers:
                 print(f"bench-net: {n} processes in namespace {ns}, rates {rates}", flush=True)
                 port = BASE_PORT + n
+                netns.clear_rate(ns)  # the previous count's workers left their last rate
                 res["runs"][str(n)] = launch(ns, n, config, Path(tmp), port, args.timeout)
                 if "error" in res["runs"][str(n)]:
                     print(f"bench-net: {n} processes FAILED:\n{res['runs'][str(n)]['error']}")

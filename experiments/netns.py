@@ -59,6 +59,24 @@ def rate_command(rate: str | None, ns: str | None = None, installed: bool = True
     return in_namespace(ns, [TC, "qdisc", "replace", "dev", "lo", "root", *tbf])
 
 
+def clear_rate(ns: str | None = None) -> None:
+    """Remove any rate limit from the loopback (nothing to do if none), and check it is gone.
+
+    The namespace outlives each process count's workers, which install and
+    replace limits as they go: what the last of them left would otherwise
+    limit the next count's unlimited setting.
+
+    Raises:
+      RuntimeError: a token bucket is still installed afterwards.
+    """
+    subprocess.run(in_namespace(ns, [TC, "qdisc", "del", "dev", "lo", "root"]), capture_output=True)
+    shown = subprocess.run(
+        in_namespace(ns, [TC, "qdisc", "show", "dev", "lo"]), capture_output=True, text=True
+    )
+    if "tbf" in shown.stdout:
+        raise RuntimeError(f"a rate limit is still installed on lo: {shown.stdout.strip()}")
+
+
 def rate_bits_per_s(rate: str) -> float:
     """``tc``'s rate units as bits per second: ``"100mbit"`` -> 1e8, ``"10gbit"`` -> 1e10.
 

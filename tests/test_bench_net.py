@@ -27,6 +27,28 @@ def test_namespace_commands():
     assert netns.rate_command(None, installed=False) == []
 
 
+def test_clear_rate_deletes_the_limit_and_checks_it_is_gone(monkeypatch):
+    """Each process count starts unlimited: the launcher deletes whatever limit the previous
+    count's workers left (their last rate), and refuses to go on if a token bucket remains."""
+    import subprocess
+
+    calls, shown = [], {"stdout": "qdisc noqueue 0: root refcnt 2"}
+
+    def fake_run(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, shown["stdout"] if "show" in argv else "", "")
+
+    monkeypatch.setattr(netns.subprocess, "run", fake_run)
+    netns.clear_rate("ns")
+    assert calls == [
+        ["ip", "netns", "exec", "ns", "tc", "qdisc", "del", "dev", "lo", "root"],
+        ["ip", "netns", "exec", "ns", "tc", "qdisc", "show", "dev", "lo"],
+    ]
+    shown["stdout"] = "qdisc tbf 8001: root refcnt 2 rate 1Gbit burst 256Kb lat 400ms"
+    with pytest.raises(RuntimeError, match="still installed"):
+        netns.clear_rate("ns")
+
+
 @pytest.mark.parametrize(
     ("rate", "bps"), [("100mbit", 1e8), ("1gbit", 1e9), ("10Gbit", 1e10), ("2.5kbit", 2500.0)]
 )
