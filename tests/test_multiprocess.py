@@ -35,21 +35,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(out: Path, logs: Path, names=None) -> list[tuple[subprocess.Popen, Path]]:
-    """Start every worker process, each with its output going to a log file."""
+def launch(script: Path, logs: Path, args: list[str]) -> list[tuple[subprocess.Popen, Path]]:
+    """Start ``NUM_PROCESSES`` processes of ``script`` on one free port, each with
+    ``--process-id i --port PORT`` then ``args``, its output going to a log file."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     workers = []
     for i in range(NUM_PROCESSES):
         log = logs / f"worker{i}.log"
-        cmd = [sys.executable, str(WORKER), "--process-id", str(i)]
-        cmd += ["--num-processes", str(NUM_PROCESSES), "--port", str(port), "--out", str(out)]
-        cmd += [] if names is None else ["--names", ",".join(names)]
+        cmd = [sys.executable, str(script), "--process-id", str(i), "--port", str(port), *args]
         with log.open("wb") as f:
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         workers.append((proc, log))
     return workers
+
+
+def start_workers(out: Path, logs: Path, names=None) -> list[tuple[subprocess.Popen, Path]]:
+    """Start every worker process of the agreement test."""
+    args = ["--num-processes", str(NUM_PROCESSES), "--out", str(out)]
+    return launch(WORKER, logs, args + ([] if names is None else ["--names", ",".join(names)]))
 
 
 def wait_all(workers: list[tuple[subprocess.Popen, Path]], timeout: float) -> str | None:
@@ -152,18 +157,7 @@ def test_a_dead_peer_aborts_the_survivor_within_the_heartbeat_timeout(tmp_path):
 
     (With JAX's default of 100 s it would block in the collective that long.)
     """
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    workers = []
-    for i in range(2):
-        log = tmp_path / f"worker{i}.log"
-        cmd = [sys.executable, str(DEAD_PEER_WORKER), "--process-id", str(i), "--port", str(port)]
-        with log.open("wb") as f:
-            proc = subprocess.Popen(
-                [*cmd, "--heartbeat", str(HEARTBEAT_S)], stdout=f, stderr=subprocess.STDOUT, env=env
-            )
-        workers.append((proc, log))
+    workers = launch(DEAD_PEER_WORKER, tmp_path, ["--heartbeat", str(HEARTBEAT_S)])
     survivor = workers[0][0]
     try:
         survivor.wait(timeout=TIMEOUT_S)
@@ -188,17 +182,8 @@ def test_auto_decides_the_same_on_every_process(tmp_path):
     """compjax.auto across two processes whose clocks disagree: process 0 alone would keep
     dense (1 s against QSGD's 2 s), but process 1's dense steps take 5 s; both agree on the
     maxima and keep QSGD, and train the same params."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["JAX_PLATFORMS"] = "cpu"
-    workers = []
-    for i in range(NUM_PROCESSES):
-        log = tmp_path / f"worker{i}.log"
-        cmd = [sys.executable, str(AUTO_WORKER), "--process-id", str(i), "--port", str(port)]
-        cmd += ["--num-processes", str(NUM_PROCESSES), "--out", str(tmp_path)]
-        with log.open("wb") as f:
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        workers.append((proc, log))
+    args = ["--num-processes", str(NUM_PROCESSES), "--out", str(tmp_path)]
+    workers = launch(AUTO_WORKER, tmp_path, args)
     try:
         failure = wait_all(workers, TIMEOUT_S)
     finally:
