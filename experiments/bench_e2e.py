@@ -15,7 +15,8 @@ Two stages:
    learning rates; its best validation loss there is the **target** (and
    those runs give its own steps to the target).  Every other method then
    runs at each of its learning rates until the target or 3x the budget,
-   and keeps the rate that reached it in the fewest steps.  A sweep stopped
+   and keeps the rate that reached it in the fewest steps (a rate is stopped
+   at the fewest steps an earlier rate needed: it can no longer win).  A sweep stopped
    part way resumes where it stopped (``--fresh`` starts again).
    The result, with every trajectory, is committed as
    ``experiments/bench_e2e_sweep.json``: the target is fixed before any timed
@@ -141,7 +142,7 @@ def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
                 continue
             runs = [
                 {**common, "method": method.key, "lr": lr, "target": result["target"]}
-                | {"max_steps": result["max_steps"]}
+                | {"max_steps": result["max_steps"], "cap_at_best": True}
                 for lr in method.lrs
             ]
             found = simulate(runs, args.workers, Path(tmp))

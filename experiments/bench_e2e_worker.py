@@ -176,6 +176,18 @@ def _local_stepper(method, run, cfg, host_params, mesh, batch):
     return compiled, copies, state, {"compile_s": seconds}
 
 
+def capped(run: dict, done: list[dict]) -> dict:
+    """``run`` stopped at the fewest steps to target among ``done``'s runs of its method.
+
+    Only with ``run["cap_at_best"]`` (the sweep's runs): a learning rate that
+    has not reached the target by then cannot be the one the sweep keeps.
+    """
+    if not run.get("cap_at_best"):
+        return run
+    steps = [r["reached_step"] for r in done if r["method"] == run["method"] and r["reached_step"]]
+    return run | {"max_steps": min([run["max_steps"], *steps])}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--simulate", type=int, help="one process holding this many workers")
@@ -196,7 +208,7 @@ def main(argv=None) -> None:
         mesh = jax.make_mesh((args.simulate,), (AXIS,))
         results = []
         for run in runs:
-            results.append(train_to_target(run, mesh))
+            results.append(train_to_target(capped(run, results), mesh))
             Path(args.out).write_text(json.dumps(results))
             print(_line(results[-1]), flush=True)
         return

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import bench_e2e, bench_e2e_report, data, netns
+from experiments import bench_e2e, bench_e2e_report, bench_e2e_worker, data, netns
 from experiments import bench_e2e_task as task
 
 
@@ -64,6 +64,16 @@ def test_the_sweep_keeps_the_fewest_steps_to_target_else_the_lowest_loss():
     assert bench_e2e.best(none)["lr"] == 2e-3
     diverged = [_run("a", None, [(9, float("nan"))], 1e-3, True), _run("a", None, [(9, 3.0)], 2e-3)]
     assert bench_e2e.best(diverged)["lr"] == 2e-3
+
+
+def test_a_swept_rate_stops_at_the_fewest_steps_an_earlier_rate_of_its_method_needed():
+    run = {"method": "a", "max_steps": 90, "cap_at_best": True}
+    done = [_run("a", 40, [(40, 2.0)], 1e-3), _run("a", 30, [(30, 2.0)], 2e-3)]
+    done += [_run("a", None, [(90, 3.0)], 4e-3), _run("b", 10, [(10, 2.0)], 1e-3)]
+    assert bench_e2e_worker.capped(run, done)["max_steps"] == 30
+    assert bench_e2e_worker.capped(run, done[2:3])["max_steps"] == 90
+    timed = {"method": "a", "max_steps": 90}  # a timed run is never capped
+    assert bench_e2e_worker.capped(timed, done) == timed
 
 
 def _timed(method, seed, times, reached, kind="measured", tx=None):
