@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from experiments import bench, bench_e2e_report, bench_net, netns
@@ -75,10 +76,11 @@ FIGURE_COPY = ROOT / "paper_figs" / "out" / "bench_e2e.png"  # and .json, .md
 
 
 # -- stage 1: the sweep, in simulation -------------------------------------------------------
-def simulate(runs: list[dict], workers: int, tmp: Path) -> list[dict]:
-    """Run ``runs`` in one process holding ``workers`` CPU devices; their results."""
+def simulate(runs: list[dict], workers: int, tmp: Path, max_steps: int) -> list[dict]:
+    """Run ``runs`` for at most ``max_steps`` each in one process holding ``workers`` CPU
+    devices; their results."""
     cfg, out = tmp / "sweep_runs.json", tmp / "sweep_results.json"
-    cfg.write_text(json.dumps(runs))
+    cfg.write_text(json.dumps([{"max_steps": max_steps} | run for run in runs]))
     out.unlink(missing_ok=True)
     env = bench_net.worker_env(dict(os.environ))
     env.pop("XLA_FLAGS")  # the worker sets its device count itself; XLA may use every core
@@ -95,8 +97,45 @@ def best(results: list[dict]) -> dict:
     return min(results, key=lambda r: r["evals"][-1][1] if not r["diverged"] else float("inf"))
 
 
+#: How many learning rates a sweep may add beyond the end of a method's grid.
+MAX_EXTENSIONS = 2
+
+
+def next_rate(results: list[dict]) -> float | None:
+    """The rate to try next: one grid step beyond the kept rate when it is the smallest or the
+    largest tried (a better one may lie beyond), else ``None``.
+
+    The step is the ratio of the two rates tried nearest that end.
+    """
+    tried = sorted({r["lr"] for r in results})
+    kept = best(results)["lr"]
+    if len(tried) < 2 or tried[0] < kept < tried[-1]:
+        return None
+    if kept == tried[0]:
+        return tried[0] * tried[0] / tried[1]
+    return tried[-1] * tried[-1] / tried[-2]
+
+
+def extend(found: list[dict], run_at: Callable[[list[float], list[dict]], list[dict]]) -> bool:
+    """Add rates beyond the grid's end while the kept rate is at an end (at most
+    :data:`MAX_EXTENSIONS`); whether any was added."""
+    added = False
+    for _ in range(MAX_EXTENSIONS):
+        rate = next_rate(found)
+        if rate is None:
+            break
+        found += run_at([rate], found)
+        added = True
+    return added
+
+
 def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
-    """Stage 1: the target from dense bf16 at the budget, then every method's learning rate."""
+    """Stage 1: the target from dense bf16 at the budget, then every method's learning rate.
+
+    A grid whose kept rate lies at one of its ends grows by a step in that direction
+    (:func:`extend`): for the target too, so that the baseline it comes from is tuned.  A
+    changed target discards every method's sweep.
+    """
     path = Path(args.sweep_file)
     previous = json.loads(path.read_text()) if path.exists() and not args.fresh else {}
     same = previous.get("budget_steps") == args.budget_steps and previous.get("model") == model
@@ -112,50 +151,65 @@ def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
     result.setdefault("methods", {})
     common = {"seed": 0, "eval_every": args.eval_every, "model": model}
     common |= {"sync_every": args.sync_every} if args.sync_every else {}
+
+    def save():
+        result["command"] = "python -m experiments.bench_e2e --sweep"
+        result["date"] = datetime.date.today().isoformat()
+        path.write_text(json.dumps(result, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
-        if "target" not in result:
-            lead = task.BY_KEY[task.TARGET_METHOD]
-            runs = [
-                {**common, "method": lead.key, "lr": lr, "target": None}
-                | {"max_steps": args.budget_steps}
-                for lr in lead.lrs
-            ]
-            found = simulate(runs, args.workers, Path(tmp))
+        lead = task.BY_KEY[task.TARGET_METHOD]
+
+        def budget_runs(rates, found):
+            runs = [{**common, "method": lead.key, "lr": lr, "target": None} for lr in rates]
+            return [_kept(r) for r in simulate(runs, args.workers, Path(tmp), args.budget_steps)]
+
+        found = result.get("target_runs") or budget_runs(lead.lrs, [])
+        if extend(found, budget_runs) or "target" not in result:
             chosen = best(found)
-            result["target"] = chosen["evals"][-1][1]
-            result["target_lr"] = chosen["lr"]
-            result["target_runs"] = [_kept(r) for r in found]
-            path.write_text(json.dumps(result, indent=1))
-        lead = result["target_runs"]
+            result["target"], result["target_lr"] = chosen["evals"][-1][1], chosen["lr"]
+            result["target_runs"], result["methods"] = found, {}
+            save()
         if task.TARGET_METHOD not in result["methods"] and any(
             m.key == task.TARGET_METHOD for m in methods
         ):
             # Its budget runs already hold its steps to the target it defined.
-            chosen = best([_reached(r, result["target"]) for r in lead])
+            chosen = best([_reached(r, result["target"]) for r in found])
             result["methods"][task.TARGET_METHOD] = {
                 "lr": chosen["lr"],
                 "steps_to_target": chosen["reached_step"],
-                "runs": lead,
+                "runs": found,
             }
         for method in methods:
-            if method.key in result["methods"]:
+            if method.key == task.TARGET_METHOD:
                 continue
-            runs = [
-                {**common, "method": method.key, "lr": lr, "target": result["target"]}
-                | {"max_steps": result["max_steps"], "cap_at_best": True}
-                for lr in method.lrs
-            ]
-            found = simulate(runs, args.workers, Path(tmp))
-            chosen = best(found)
-            result["methods"][method.key] = {
-                "lr": chosen["lr"],
-                "steps_to_target": chosen["reached_step"],
-                "runs": [_kept(r) for r in found],
-            }
-            result["command"] = "python -m experiments.bench_e2e --sweep"
-            result["date"] = datetime.date.today().isoformat()
-            path.write_text(json.dumps(result, indent=1))
+
+            def to_target(rates, found, method=method):
+                # A rate stops at the fewest steps an earlier rate of the method needed.
+                runs = [
+                    {**common, "method": method.key, "lr": lr, "target": result["target"]}
+                    | {"cap_at_best": True, "earlier": _reached_steps(found)}
+                    for lr in rates
+                ]
+                steps = result["max_steps"]
+                return [_kept(r) for r in simulate(runs, args.workers, Path(tmp), steps)]
+
+            done = result["methods"].get(method.key)
+            found = done["runs"] if done else to_target(method.lrs, [])
+            if extend(found, to_target) or not done:
+                chosen = best(found)
+                result["methods"][method.key] = {
+                    "lr": chosen["lr"],
+                    "steps_to_target": chosen["reached_step"],
+                    "runs": found,
+                }
+                save()
     return result
+
+
+def _reached_steps(runs: list[dict]) -> list[int]:
+    """The steps to target of the runs that reached it."""
+    return [r["reached_step"] for r in runs if r["reached_step"] is not None]
 
 
 def _reached(run: dict, target: float) -> dict:
@@ -212,6 +266,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     keys = ",".join(task.BY_KEY)
     parser.add_argument("--methods", help=f"comma-separated, of {keys}")
     parser.add_argument("--workers", type=int, default=WORKERS)
+    parser.add_argument(
+        "--seeds", type=int, help=f"seeds per method (default {len(SEEDS)}, --quick: 1)"
+    )
     parser.add_argument("--budget-steps", type=int, default=BUDGET_STEPS)
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--model", default="", help="model overrides, e.g. width=32,layers=1")
@@ -230,7 +287,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quick and not args.methods:
         methods = task.select(list(QUICK_METHODS))
     args.method_list, args.model_overrides = methods, model
-    args.seeds = SEEDS[:1] if args.quick else SEEDS
+    if args.seeds is not None and not 1 <= args.seeds <= len(SEEDS):
+        parser.error(f"argument --seeds: must be in [1, {len(SEEDS)}], got {args.seeds}")
+    args.seeds = SEEDS[: args.seeds or (1 if args.quick else len(SEEDS))]
     args.extrapolated_rates = () if args.quick else EXTRAPOLATED_RATES
     return args
 
@@ -267,6 +326,7 @@ def main(argv=None) -> int:
         "load_before": bench.load_average(),
         "workers": args.workers,
         "quick": args.quick,
+        "seeds": list(args.seeds),
         "sweep": {k: v for k, v in sweep_result.items() if k != "target_runs"},
         "labels": {m.key: m.label for m in task.METHODS},
         "local_methods": [m.key for m in task.METHODS if m.local],
@@ -287,7 +347,8 @@ def main(argv=None) -> int:
     text = bench_e2e_report.markdown(res, table)
     (out / "bench_e2e.md").write_text(text)
     bench_e2e_report.figure(res, out / "bench_e2e.png")
-    if not args.quick and not model and args.workers == WORKERS:  # the committed full run
+    full = not args.quick and not model and args.workers == WORKERS and args.seeds == SEEDS
+    if full and len(methods) == len(task.METHODS):  # the committed full run
         for suffix in (".json", ".md", ".png"):
             source = (out / "bench_e2e").with_suffix(suffix)
             shutil.copyfile(source, FIGURE_COPY.with_suffix(suffix))

@@ -177,7 +177,8 @@ def _local_stepper(method, run, cfg, host_params, mesh, batch):
 
 
 def capped(run: dict, done: list[dict]) -> dict:
-    """``run`` stopped at the fewest steps to target among ``done``'s runs of its method.
+    """``run`` stopped at the fewest steps to target among ``done``'s runs of its method and
+    its ``earlier`` steps to target (those of runs made before this process).
 
     Only with ``run["cap_at_best"]`` (the sweep's runs): a learning rate that
     has not reached the target by then cannot be the one the sweep keeps.
@@ -185,7 +186,7 @@ def capped(run: dict, done: list[dict]) -> dict:
     if not run.get("cap_at_best"):
         return run
     steps = [r["reached_step"] for r in done if r["method"] == run["method"] and r["reached_step"]]
-    return run | {"max_steps": min([run["max_steps"], *steps])}
+    return run | {"max_steps": min([run["max_steps"], *steps, *run.get("earlier", ())])}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -66,12 +66,32 @@ def test_the_sweep_keeps_the_fewest_steps_to_target_else_the_lowest_loss():
     assert bench_e2e.best(diverged)["lr"] == 2e-3
 
 
+def test_a_grid_grows_past_the_end_its_kept_rate_lies_at():
+    mid = [_run("a", 30, [(30, 2.0)], 1e-3), _run("a", 20, [(20, 2.0)], 2e-3)]
+    mid += [_run("a", 40, [(40, 2.0)], 4e-3)]
+    assert bench_e2e.next_rate(mid) is None
+    low = [_run("a", 20, [(20, 2.0)], 1e-3), _run("a", 30, [(30, 2.0)], 2e-3)]
+    assert bench_e2e.next_rate(low) == pytest.approx(5e-4)
+    high = [_run("a", None, [(90, 2.6)], 3e-4), _run("a", None, [(90, 2.5)], 1e-3)]
+    assert bench_e2e.next_rate(high) == pytest.approx(1e-3 / 0.3)
+    calls = []
+
+    def run_at(rates, found):  # each new rate is better still: the grid grows twice, no more
+        calls.append(rates)
+        return [_run("a", 10 - len(calls), [(9, 2.0)], rates[0])]
+
+    assert bench_e2e.extend(low, run_at)
+    assert calls == [[pytest.approx(5e-4)], [pytest.approx(2.5e-4)]]
+    assert not bench_e2e.extend(mid, run_at)
+
+
 def test_a_swept_rate_stops_at_the_fewest_steps_an_earlier_rate_of_its_method_needed():
     run = {"method": "a", "max_steps": 90, "cap_at_best": True}
     done = [_run("a", 40, [(40, 2.0)], 1e-3), _run("a", 30, [(30, 2.0)], 2e-3)]
     done += [_run("a", None, [(90, 3.0)], 4e-3), _run("b", 10, [(10, 2.0)], 1e-3)]
     assert bench_e2e_worker.capped(run, done)["max_steps"] == 30
     assert bench_e2e_worker.capped(run, done[2:3])["max_steps"] == 90
+    assert bench_e2e_worker.capped(run | {"earlier": [25]}, done)["max_steps"] == 25
     timed = {"method": "a", "max_steps": 90}  # a timed run is never capped
     assert bench_e2e_worker.capped(timed, done) == timed
 
@@ -160,6 +180,12 @@ def test_command_line_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--workers", "1"])
     assert "--workers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--seeds", "3"])
+    assert "--seeds" in capsys.readouterr().err
+    assert bench_e2e.parse_args(["--seeds", "1"]).seeds == (0,)
+    assert bench_e2e.parse_args([]).seeds == (0, 1)
+    assert bench_e2e.parse_args(["--quick"]).seeds == (0,)
     assert bench_e2e.main(["--sweep-file", str(tmp_path / "none.json")]) == 2
     assert "--sweep` first" in capsys.readouterr().err
 
