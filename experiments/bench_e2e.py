@@ -330,7 +330,7 @@ def main(argv=None) -> int:
         "sweep": {k: v for k, v in sweep_result.items() if k != "target_runs"},
         "labels": {m.key: m.label for m in task.METHODS},
         "local_methods": [m.key for m in task.METHODS if m.local],
-        "sync_every": args.sync_every or task.DILOCO_H,
+        "sync_every": {m.key: args.sync_every or m.sync_every for m in task.METHODS if m.local},
         "measured_rate": MEASURED_RATE,
     }
     res["rates"] = timed_runs(args, methods, sweep_result, model)

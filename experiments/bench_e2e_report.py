@@ -192,6 +192,14 @@ def _fmt(x, spec: str, none: str = "—") -> str:
     return none if x is None else format(x, spec)
 
 
+def _rounds(res: dict) -> str:
+    """Each local-steps method's round, e.g. ``diloco 50, sparseloco 15``."""
+    rounds = res.get("sync_every", {})
+    if not isinstance(rounds, dict):  # a result written before rounds were per method
+        return str(rounds)
+    return ", ".join(f"{key} {h}" for key, h in rounds.items()) or "none"
+
+
 def markdown(res: dict, table: list[dict]) -> str:
     """The report: setup, the summary table per rate, the goals."""
     sweep = res["sweep"]
@@ -202,8 +210,9 @@ def markdown(res: dict, table: list[dict]) -> str:
         f"{res['workers']} jax.distributed processes on a loopback limited by tc. Target: "
         f"validation loss {sweep['target']:.4f} (dense bf16 after {sweep['budget_steps']} steps, "
         f"measured once in simulation and committed); a run stops there or at "
-        f"{sweep['max_steps']} steps (3x). DiLoCo: inner AdamW, outer Nesterov (0.7, momentum "
-        f"0.9) every H = {res.get('sync_every', '?')} steps. Machine: {res['machine']['cpu']}, "
+        f"{sweep['max_steps']} steps (3x). Local steps (inner AdamW): DiLoCo's outer Nesterov "
+        f"(0.7, momentum 0.9), SparseLoCo's chunked top-k with error feedback; H: {_rounds(res)}. "
+        f"Machine: {res['machine']['cpu']}, "
         f"{res['machine']['cpu_count']} cores; the run took {res['seconds']:.0f} s.",
         "",
         "Seconds are training steps only (evaluations excluded). *measured*: ran to the target "

@@ -13,7 +13,8 @@
 * :data:`METHODS`: the methods raced to the target, each an exchange
   (:mod:`experiments.methods` expression, or the bf16 baseline of
   bench-net) followed by its optimizer, and DiLoCo (inner AdamW, outer
-  Nesterov every ``H = 50`` steps, exact or int8 pseudo-gradients); the
+  Nesterov every ``H = 50`` steps, exact or int8 pseudo-gradients) and
+  SparseLoCo (inner AdamW, ``H = 15``, chunked top-k 2-bit pseudo-gradients); the
   learning rate comes from the committed sweep (:data:`SWEEP_FILE`).
 """
 
@@ -53,6 +54,8 @@ class E2EMethod:
       lrs: the learning rates the sweep tries (DiLoCo's: the inner AdamW's).
       sync_every: DiLoCo's ``H`` (local-step methods only).
       outer_compressor: the compressor of DiLoCo's pseudo-gradients (``None``: exact).
+      outer: the local-steps method: ``"diloco"`` (outer Nesterov) or ``"sparseloco"``
+        (:func:`compjax.sparseloco`'s chunked top-k pseudo-gradients with error feedback).
     """
 
     bench: BenchMethod
@@ -60,6 +63,7 @@ class E2EMethod:
     lrs: tuple[float, ...]
     sync_every: int | None = None
     outer_compressor: Callable[[], compjax.Compressor] | None = None
+    outer: str = "diloco"
 
     @property
     def local(self) -> bool:
@@ -69,10 +73,13 @@ class E2EMethod:
     def local_optimizer(
         self, lr: float, axis_name: str, sync_every: int | None = None
     ) -> optax.GradientTransformation:
-        """DiLoCo's Algorithm 1: inner AdamW at ``lr``, outer Nesterov (0.7, momentum 0.9),
-        a round of ``sync_every`` steps (default :attr:`sync_every`)."""
-        comp = None if self.outer_compressor is None else self.outer_compressor()
+        """The local-steps optimizer, a round of ``sync_every`` steps (default
+        :attr:`sync_every`), inner AdamW at ``lr``: DiLoCo's Algorithm 1 (outer Nesterov,
+        0.7, momentum 0.9) or SparseLoCo as bench-net runs it."""
         h = sync_every or self.sync_every
+        if self.outer == "sparseloco":
+            return bench_net_model.sparseloco_optimizer(axis_name, h, lr)
+        comp = None if self.outer_compressor is None else self.outer_compressor()
         return bench_net_model.diloco_optimizer(lr, axis_name, h, comp)
 
     @property
@@ -130,6 +137,13 @@ METHODS: tuple[E2EMethod, ...] = (
         ADAM_LRS,
         sync_every=DILOCO_H,
         outer_compressor=lambda: compjax.int_quant(8),
+    ),
+    E2EMethod(
+        BenchMethod("sparseloco", "SparseLoCo H=15, top-32/4096 2-bit", "sparseloco", "allreduce"),
+        "diloco",
+        ADAM_LRS,
+        sync_every=bench_net_model.SPARSELOCO_H,
+        outer="sparseloco",
     ),
 )
 BY_KEY = {m.key: m for m in METHODS}

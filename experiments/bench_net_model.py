@@ -275,8 +275,10 @@ def diloco_optimizer(
     return compjax.diloco(optax.adamw(lr), outer, sync_every, axis_name, compressor=compressor)
 
 
-def sparseloco_optimizer(axis_name: str, sync_every: int) -> optax.GradientTransformation:
-    """SparseLoCo as its paper configures it: inner AdamW (1e-3, weight decay 0.1) and
+def sparseloco_optimizer(
+    axis_name: str, sync_every: int, lr: float = 1e-3
+) -> optax.GradientTransformation:
+    """SparseLoCo as its paper configures it: inner AdamW (``lr``, weight decay 0.1) and
     :func:`compjax.sparseloco`'s defaults (top-32 of every 4096 entries in 2 bits, error
     decay 0.95, outer learning rate 1).
 
@@ -284,7 +286,7 @@ def sparseloco_optimizer(axis_name: str, sync_every: int) -> optax.GradientTrans
       Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo",
       arXiv 2508.15706, 2025.
     """
-    return compjax.sparseloco(optax.adamw(1e-3, weight_decay=0.1), sync_every, axis_name)
+    return compjax.sparseloco(optax.adamw(lr, weight_decay=0.1), sync_every, axis_name)
 
 
 #: Every compressed method but PowerSGD (whose factors are per matrix) sends the raveled

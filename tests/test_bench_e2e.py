@@ -191,7 +191,7 @@ def test_command_line_errors(tmp_path, capsys):
 
 
 TINY = ["--workers", "2", "--model", "width=32,layers=1,heads=2", "--sync-every", "2"]
-TINY += ["--methods", "bf16,sign-sg,diloco"]
+TINY += ["--methods", "bf16,sign-sg,diloco,sparseloco"]
 
 
 @pytest.mark.slow
@@ -201,7 +201,10 @@ def test_a_tiny_sweep_and_timed_run_reach_the_target_at_the_same_steps(tmp_path)
     args = [*TINY, "--budget-steps", "4", "--eval-every", "2", "--sweep-file", str(sweep)]
     assert bench_e2e.main(["--sweep", *args]) == 0
     found = json.loads(sweep.read_text())
-    assert set(found["methods"]) == {"bf16", "sign-sg", "diloco"} and found["max_steps"] == 12
+    assert (
+        set(found["methods"]) == {"bf16", "sign-sg", "diloco", "sparseloco"}
+        and found["max_steps"] == 12
+    )
     if netns.unavailable_reason(f"compjax-e2e-test-{os.getpid()}") is not None:
         pytest.skip("needs root for a network namespace")
     out = tmp_path / "out"
