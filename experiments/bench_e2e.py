@@ -17,7 +17,7 @@ Two stages:
    runs at each of its learning rates until the target or 3x the budget,
    and keeps the rate that reached it in the fewest steps (a rate is stopped
    at the fewest steps an earlier rate needed: it can no longer win).  A sweep stopped
-   part way resumes where it stopped (``--fresh`` starts again).
+   part way resumes where it stopped, at the rate it was running (``--fresh`` starts again).
    The result, with every trajectory, is committed as
    ``experiments/bench_e2e_sweep.json``: the target is fixed before any timed
    run.
@@ -168,7 +168,7 @@ def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
         if extend(found, budget_runs) or "target" not in result:
             chosen = best(found)
             result["target"], result["target_lr"] = chosen["evals"][-1][1], chosen["lr"]
-            result["target_runs"], result["methods"] = found, {}
+            result["target_runs"], result["methods"], result["partial"] = found, {}, {}
             save()
         if task.TARGET_METHOD not in result["methods"] and any(
             m.key == task.TARGET_METHOD for m in methods
@@ -180,22 +180,28 @@ def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
                 "steps_to_target": chosen["reached_step"],
                 "runs": found,
             }
+        partial = result.setdefault("partial", {})  # a method's runs while it is swept
         for method in methods:
             if method.key == task.TARGET_METHOD:
                 continue
 
             def to_target(rates, found, method=method):
-                # A rate stops at the fewest steps an earlier rate of the method needed.
-                runs = [
-                    {**common, "method": method.key, "lr": lr, "target": result["target"]}
-                    | {"cap_at_best": True, "earlier": _reached_steps(found)}
-                    for lr in rates
-                ]
-                steps = result["max_steps"]
-                return [_kept(r) for r in simulate(runs, args.workers, Path(tmp), steps)]
+                # One rate at a time, each saved: a stopped sweep loses at most the rate it
+                # was running.  A rate stops at the fewest steps an earlier one needed.
+                new = []
+                for lr in rates:
+                    run = {**common, "method": method.key, "lr": lr, "target": result["target"]}
+                    run |= {"cap_at_best": True, "earlier": _reached_steps(found + new)}
+                    got = simulate([run], args.workers, Path(tmp), result["max_steps"])
+                    new += [_kept(r) for r in got]
+                    partial[method.key] = found + new
+                    save()
+                return new
 
             done = result["methods"].get(method.key)
-            found = done["runs"] if done else to_target(method.lrs, [])
+            found = done["runs"] if done else list(partial.get(method.key, []))
+            tried = {r["lr"] for r in found}
+            found += to_target([lr for lr in method.lrs if lr not in tried], found)
             if extend(found, to_target) or not done:
                 chosen = best(found)
                 result["methods"][method.key] = {
@@ -203,6 +209,7 @@ def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
                     "steps_to_target": chosen["reached_step"],
                     "runs": found,
                 }
+                partial.pop(method.key, None)
                 save()
     return result
 
@@ -327,7 +334,7 @@ def main(argv=None) -> int:
         "workers": args.workers,
         "quick": args.quick,
         "seeds": list(args.seeds),
-        "sweep": {k: v for k, v in sweep_result.items() if k != "target_runs"},
+        "sweep": {k: v for k, v in sweep_result.items() if k not in ("target_runs", "partial")},
         "labels": {m.key: m.label for m in task.METHODS},
         "local_methods": [m.key for m in task.METHODS if m.local],
         "sync_every": {m.key: args.sync_every or m.sync_every for m in task.METHODS if m.local},

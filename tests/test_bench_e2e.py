@@ -85,6 +85,39 @@ def test_a_grid_grows_past_the_end_its_kept_rate_lies_at():
     assert not bench_e2e.extend(mid, run_at)
 
 
+def test_a_stopped_sweep_resumes_at_the_rate_it_was_running(tmp_path, monkeypatch):
+    """Each rate is saved as it ends; a rerun runs only the rates not yet run, capped at the
+    fewest steps to target already found."""
+    sweep_file = tmp_path / "sweep.json"
+    target = [_run("bf16", None, [(4, 2.0)], lr) for lr in (1e-3, 2e-3, 5e-4)]
+    target[0]["evals"] = [(4, 1.5)]  # 1e-3 is kept: an interior rate, no growth
+    sweep_file.write_text(json.dumps({"budget_steps": 4, "model": {}, "target_runs": target}))
+    calls = []
+
+    def simulate(runs, workers, tmp, max_steps):
+        (run,) = runs
+        calls.append((run["lr"], run["earlier"]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # stopped while its second rate runs
+        steps = {5e-4: 6, 1e-3: 8, 2.5e-4: 10}[run["lr"]]
+        return [
+            _run("qsgd-sg", steps, [(steps, 1.4)], run["lr"]) | {"steps_run": steps, "train_s": 1.0}
+        ]
+
+    monkeypatch.setattr(bench_e2e, "simulate", simulate)
+    args = bench_e2e.parse_args(["--sweep-file", str(sweep_file), "--budget-steps", "4"])
+    method = task.select(["qsgd-sg"])
+    with pytest.raises(KeyboardInterrupt):
+        bench_e2e.sweep(args, method, {})
+    saved = json.loads(sweep_file.read_text())
+    assert [r["lr"] for r in saved["partial"]["qsgd-sg"]] == [5e-4]
+    bench_e2e.sweep(args, method, {})
+    # 5e-4 was not run again; the next rates were capped by its 6 steps (and 1e-3's 8).
+    assert calls[2:] == [(1e-3, [6]), (2.5e-4, [6, 8])]
+    saved = json.loads(sweep_file.read_text())
+    assert saved["methods"]["qsgd-sg"]["lr"] == 5e-4 and saved["partial"] == {}
+
+
 def test_a_swept_rate_stops_at_the_fewest_steps_an_earlier_rate_of_its_method_needed():
     run = {"method": "a", "max_steps": 90, "cap_at_best": True}
     done = [_run("a", 40, [(40, 2.0)], 1e-3), _run("a", 30, [(30, 2.0)], 2e-3)]
