@@ -239,7 +239,7 @@ def timed_runs(args, methods, sweep_result: dict, model: dict) -> dict:
     common = {"eval_every": sweep_result["eval_every"], "model": model}
     common |= {"sync_every": args.sync_every} if args.sync_every else {}
     with netns.namespace(ns), tempfile.TemporaryDirectory() as tmp:
-        for rate in [MEASURED_RATE, *args.extrapolated_rates]:
+        for rate in args.rates:
             netns.run(netns.rate_command(rate, ns, installed=bool(rates)))
             # Local-step methods run to the target at every rate; synchronous ones at the
             # measured rate only (elsewhere their step time is measured and extrapolated).
@@ -274,6 +274,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--methods", help=f"comma-separated, of {keys}")
     parser.add_argument("--workers", type=int, default=WORKERS)
     parser.add_argument(
+        "--rates",
+        help=f"comma-separated, of {MEASURED_RATE},{','.join(EXTRAPOLATED_RATES)} (without "
+        f"{MEASURED_RATE}, a synchronous method's steps to target are its simulated ones)",
+    )
+    parser.add_argument(
         "--seeds", type=int, help=f"seeds per method (default {len(SEEDS)}, --quick: 1)"
     )
     parser.add_argument("--budget-steps", type=int, default=BUDGET_STEPS)
@@ -297,7 +302,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.seeds is not None and not 1 <= args.seeds <= len(SEEDS):
         parser.error(f"argument --seeds: must be in [1, {len(SEEDS)}], got {args.seeds}")
     args.seeds = SEEDS[: args.seeds or (1 if args.quick else len(SEEDS))]
-    args.extrapolated_rates = () if args.quick else EXTRAPOLATED_RATES
+    rates = (MEASURED_RATE,) if args.quick else (MEASURED_RATE, *EXTRAPOLATED_RATES)
+    args.rates = tuple(args.rates.split(",")) if args.rates else rates
+    unknown = [r for r in args.rates if r not in (MEASURED_RATE, *EXTRAPOLATED_RATES)]
+    if unknown:
+        parser.error(f"argument --rates: unknown {unknown}; choose from {list(rates)}")
     return args
 
 
@@ -355,6 +364,7 @@ def main(argv=None) -> int:
     (out / "bench_e2e.md").write_text(text)
     bench_e2e_report.figure(res, out / "bench_e2e.png")
     full = not args.quick and not model and args.workers == WORKERS and args.seeds == SEEDS
+    full = full and len(args.rates) == 1 + len(EXTRAPOLATED_RATES)
     if full and len(methods) == len(task.METHODS):  # the committed full run
         for suffix in (".json", ".md", ".png"):
             source = (out / "bench_e2e").with_suffix(suffix)

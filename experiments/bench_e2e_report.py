@@ -7,7 +7,9 @@
   reached it (evaluations excluded), the bits are the loopback bytes of the
   whole run per worker, scaled to the steps to target;
 * **extrapolated** rows (a synchronous method at a slower rate): the steps
-  to target of the same method and seed at the measured rate, times the
+  to target of the same method and seed at the measured rate (where that
+  rate did not run, its steps to target in the sweep's simulation, which the
+  run across processes reproduces exactly), times the
   median step time measured over a few steps at this rate.  A synchronous
   method's trajectory does not depend on the link, so only its step time is
   measured there.
@@ -62,10 +64,11 @@ def rows(res: dict) -> list[dict]:
                 steps, seconds = run["reached_step"], time_to_target(run)
                 final = run["evals"][-1][1]
             else:
-                base = _find(res, res["measured_rate"], key, seed)
+                base = _find(res, res["measured_rate"], key, seed) or _simulated(res, key, seed)
                 steps = base["reached_step"] if base else None
                 seconds = None if steps is None else steps * step_s
                 final = base["evals"][-1][1] if base else None
+                row["steps_from"] = None if base is None else base.get("source", "measured")
             bits = bits_per_worker(run)
             sim_steps = sim.get(key, {}).get("steps_to_target")
             predicted = None if sim_steps is None else sim_steps * step_s
@@ -97,6 +100,19 @@ def rows(res: dict) -> list[dict]:
     return out
 
 
+def _simulated(res: dict, key: str, seed: int) -> dict | None:
+    """The sweep's kept run of ``key`` (its steps to target and trajectory in simulation), for
+    the sweep's seed, when the measured rate did not run: the run across processes takes the
+    same steps (``tests/test_bench_e2e.py`` checks it)."""
+    swept = res["sweep"].get("methods", {}).get(key)
+    if swept is None or seed != res["sweep"].get("seed", 0):
+        return None
+    run = next((r for r in swept.get("runs", []) if r["lr"] == swept["lr"]), None)
+    if run is None:
+        return None
+    return run | {"reached_step": swept["steps_to_target"], "source": "simulation"}
+
+
 def _find(res: dict, rate: str, key: str, seed: int) -> dict | None:
     return next(
         (r for r in res["rates"].get(rate, []) if (r["method"], r["seed"]) == (key, seed)), None
@@ -121,11 +137,17 @@ def summary(table: list[dict]) -> list[dict]:
         reached = sum(r["steps"] is not None for r in group)
         spread = _mean(r["seconds"] for r in group)[1]
         out.append(
-            {"rate": rate, "method": method, "kind": group[0]["kind"], "seeds": len(group)}
+            {"rate": rate, "method": method, "kind": _kind(group[0]), "seeds": len(group)}
             | mean
             | {"reached": reached, "seconds_spread": spread}
         )
     return out
+
+
+def _kind(row: dict) -> str:
+    """``measured``, ``extrapolated``, or ``extrapolated (simulated steps)``."""
+    simulated = row.get("steps_from") == "simulation"
+    return f"{row['kind']} (simulated steps)" if simulated else row["kind"]
 
 
 _FIELDS = (
@@ -216,8 +238,9 @@ def markdown(res: dict, table: list[dict]) -> str:
         f"{res['machine']['cpu_count']} cores; the run took {res['seconds']:.0f} s.",
         "",
         "Seconds are training steps only (evaluations excluded). *measured*: ran to the target "
-        "at that rate; *extrapolated*: steps to target from the measured rate x the median step "
-        "time measured at this rate (a synchronous method's trajectory does not depend on the "
+        "at that rate; *extrapolated*: steps to target from the measured rate (*simulated "
+        "steps*: from the sweep's simulation, where the measured rate did not run) x the median "
+        "step time measured at this rate (a synchronous method's trajectory does not depend on the "
         "link). Predicted: steps to target in simulation x the median step time.",
         "",
     ]
@@ -265,9 +288,10 @@ def figure(res: dict, path) -> None:
                 clock = np.concatenate([[0.0], np.cumsum(run["step_times"])])
             else:
                 source = _find(res, res["measured_rate"], run["method"], run["seed"])
+                source = source or _simulated(res, run["method"], run["seed"])
                 if source is None:
                     continue
-                clock = median_step(run) * np.arange(len(source["step_times"]) + 1)
+                clock = median_step(run) * np.arange(source["evals"][-1][0] + 1)
             steps, values = zip(*source["evals"], strict=True)
             ax.plot(
                 clock[list(steps)],

@@ -185,6 +185,31 @@ def test_time_to_target_speedups_bits_and_extrapolation():
     assert slow["final_validation"] == sign["final_validation"]
 
 
+def test_without_the_measured_rate_steps_to_target_come_from_the_simulation(tmp_path):
+    res = _result()
+    del res["rates"]["1gbit"]
+    res["sweep"]["seed"], res["labels"] = 0, {}
+    for key, m in res["sweep"]["methods"].items():
+        steps = m["steps_to_target"]
+        m |= {"lr": 1e-3, "runs": [_run(key, None, [(0, 4.0), (steps, 3.5)], 1e-3)]}
+    table = {(r["rate"], r["method"]): r for r in bench_e2e_report.rows(res)}
+    slow = table["100mbit", "sign-sg"]
+    assert slow["steps"] == 6 and slow["seconds"] == 6.0 and slow["steps_from"] == "simulation"
+    assert table["100mbit", "fp32"]["seconds"] == 80.0 and slow["final_validation"] == 3.5
+    assert slow["speedup_bf16"] == pytest.approx(40 / 6)
+    text = bench_e2e_report.markdown(
+        res
+        | {"machine": {"cpu": "cpu", "cpu_count": 2}, "seconds": 1.0, "parameters": 10}
+        | {"labels": {}},
+        bench_e2e_report.rows(res),
+    )
+    assert "| sign-sg | extrapolated (simulated steps) | 1/1 | 6 |" in text
+    bench_e2e_report.figure(res, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").stat().st_size > 0
+    res["rates"]["100mbit"][2]["seed"] = 1  # another seed than the sweep's: no steps known
+    assert bench_e2e_report.rows(res)[2]["steps"] is None
+
+
 def test_goals_are_met_missed_or_not_run():
     res = _result()
     lines = bench_e2e_report.goals(bench_e2e_report.rows(res), res)
@@ -219,6 +244,12 @@ def test_command_line_errors(tmp_path, capsys):
     assert bench_e2e.parse_args(["--seeds", "1"]).seeds == (0,)
     assert bench_e2e.parse_args([]).seeds == (0, 1)
     assert bench_e2e.parse_args(["--quick"]).seeds == (0,)
+    assert bench_e2e.parse_args(["--quick"]).rates == ("1gbit",)
+    assert bench_e2e.parse_args([]).rates == ("1gbit", "100mbit")
+    assert bench_e2e.parse_args(["--rates", "100mbit"]).rates == ("100mbit",)
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--rates", "5gbit"])
+    assert "--rates" in capsys.readouterr().err
     assert bench_e2e.main(["--sweep-file", str(tmp_path / "none.json")]) == 2
     assert "--sweep` first" in capsys.readouterr().err
 
