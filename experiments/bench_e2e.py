@@ -304,9 +304,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.seeds = SEEDS[: args.seeds or (1 if args.quick else len(SEEDS))]
     rates = (MEASURED_RATE,) if args.quick else (MEASURED_RATE, *EXTRAPOLATED_RATES)
     args.rates = tuple(args.rates.split(",")) if args.rates else rates
-    unknown = [r for r in args.rates if r not in (MEASURED_RATE, *EXTRAPOLATED_RATES)]
+    known = (MEASURED_RATE, *EXTRAPOLATED_RATES)
+    unknown = [r for r in args.rates if r not in known]
     if unknown:
-        parser.error(f"argument --rates: unknown {unknown}; choose from {list(rates)}")
+        parser.error(f"argument --rates: unknown {unknown}; choose from {list(known)}")
     return args
 
 
