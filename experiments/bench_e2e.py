@@ -191,7 +191,7 @@ def sweep(args, methods: tuple[task.E2EMethod, ...], model: dict) -> dict:
                 new = []
                 for lr in rates:
                     run = {**common, "method": method.key, "lr": lr, "target": result["target"]}
-                    run |= {"cap_at_best": True, "earlier": _reached_steps(found + new)}
+                    run["earlier"] = _reached_steps(found + new)
                     got = simulate([run], args.workers, Path(tmp), result["max_steps"])
                     new += [_kept(r) for r in got]
                     partial[method.key] = found + new

@@ -176,17 +176,12 @@ def _local_stepper(method, run, cfg, host_params, mesh, batch):
     return compiled, copies, state, {"compile_s": seconds}
 
 
-def capped(run: dict, done: list[dict]) -> dict:
-    """``run`` stopped at the fewest steps to target among ``done``'s runs of its method and
-    its ``earlier`` steps to target (those of runs made before this process).
-
-    Only with ``run["cap_at_best"]`` (the sweep's runs): a learning rate that
-    has not reached the target by then cannot be the one the sweep keeps.
+def capped(run: dict) -> dict:
+    """``run`` stopped at the fewest of its ``earlier`` steps to target (the sweep passes those
+    of the rates of its method already run): a rate that has not reached the target by then
+    cannot be the one the sweep keeps.  A run without ``earlier`` (a timed run) is unchanged.
     """
-    if not run.get("cap_at_best"):
-        return run
-    steps = [r["reached_step"] for r in done if r["method"] == run["method"] and r["reached_step"]]
-    return run | {"max_steps": min([run["max_steps"], *steps, *run.get("earlier", ())])}
+    return run | {"max_steps": min([run["max_steps"], *run.get("earlier", ())])}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -209,7 +204,7 @@ def main(argv=None) -> None:
         mesh = jax.make_mesh((args.simulate,), (AXIS,))
         results = []
         for run in runs:
-            results.append(train_to_target(capped(run, results), mesh))
+            results.append(train_to_target(capped(run), mesh))
             Path(args.out).write_text(json.dumps(results))
             print(_line(results[-1]), flush=True)
         return
