@@ -302,7 +302,9 @@ def figure(res: dict, path) -> None:
             )
         ax.axhline(res["sweep"]["target"], color="k", linestyle=":", label="target")
         ax.set(title=rate, xlabel="training seconds", ylabel="validation loss")
-        ax.set_xscale("log")
+        # symlog: linear below one second, so the step-0 evaluation (clock 0) stays on the axis
+        ax.set_xscale("symlog", linthresh=1.0)
+        ax.set_xlim(left=0.0)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
