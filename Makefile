@@ -60,7 +60,7 @@ bench-net: $(STAMP)
 ## make bench-e2e: time to a validation-loss target on the rate-limited loopback (as root);
 ## writes results/bench_e2e.{json,md,png}.  ARGS=--sweep: the learning-rate sweep and the
 ## target, in simulation (writes experiments/bench_e2e_sweep.json); ARGS=--quick: 1 Gbit/s,
-## dense bf16 and two methods, one seed.
+## dense bf16 and two methods, one seed; ARGS=--resume: reuse the timed runs results/ holds.
 bench-e2e: $(STAMP)
 	$(PY) -m experiments.bench_e2e $(ARGS)
 

@@ -28,8 +28,11 @@ Two stages:
    labelled *extrapolated*.  Local-step methods (DiLoCo) run to the target
    at every rate.
 
-Writes ``results/bench_e2e.{json,md,png}`` (:mod:`experiments.bench_e2e_report`)
-and, for a full run, copies them to ``paper_figs/out/``.  ``--quick``: one
+The timed runs go one job per rate and method, the results file rewritten after each;
+``--resume`` reuses the runs of earlier results files whose settings match, so a full run
+can be made in parts.  Writes ``results/bench_e2e.{json,md,png}``
+(:mod:`experiments.bench_e2e_report`) and, for a full run, copies them to
+``paper_figs/out/``.  ``--quick``: one
 seed, 1 Gbit/s, dense bf16 and two methods.
 
 Usage::
@@ -37,6 +40,7 @@ Usage::
     python -m experiments.bench_e2e --sweep          # simulation; writes the committed sweep
     python -m experiments.bench_e2e --quick          # as root: 1 Gbit/s, 3 methods, 1 seed
     python -m experiments.bench_e2e                  # as root: every method, 2 seeds, 2 rates
+    python -m experiments.bench_e2e --resume         # the same, reusing the runs already timed
 """
 
 from __future__ import annotations
@@ -232,37 +236,104 @@ def _kept(run: dict) -> dict:
 
 
 # -- stage 2: the timed runs ---------------------------------------------------------------------
-def timed_runs(args, methods, sweep_result: dict, model: dict) -> dict:
-    """Stage 2: every method to the target at the measured rate, step times at the others."""
+#: The settings a timed run's workers were given: with its rate and process count, what makes
+#: an earlier run reusable by ``--resume``.
+RUN_SETTINGS = ("method", "seed", "lr", "target", "max_steps", "eval_every", "model", "sync_every")
+
+
+def run_key(run: dict, rate: str, workers: int) -> str:
+    """The identity of a timed run: its rate, process count and :data:`RUN_SETTINGS`."""
+    return json.dumps([rate, workers, *(run.get(f) for f in RUN_SETTINGS)])
+
+
+def saved_runs(paths: list[Path]) -> dict[str, dict]:
+    """The timed runs of earlier results files, by :func:`run_key`, each with its ``rate`` and
+    the file it was first written to (``timed_in``).
+
+    Both a file's report (``rates``) and the runs it carried without reporting them
+    (``other_runs``) are read; a later file's run replaces an earlier file's.
+    """
+    saved = {}
+    for path in paths:
+        res = json.loads(Path(path).read_text())
+        listed = [r | {"rate": rate} for rate, runs in res.get("rates", {}).items() for r in runs]
+        for run in listed + res.get("other_runs", []):
+            run = run | {"timed_in": run.get("timed_in") or Path(path).name}
+            saved[run_key(run, run["rate"], run["workers"])] = run
+    return saved
+
+
+def timed_runs(
+    args,
+    methods,
+    sweep_result: dict,
+    model: dict,
+    saved: dict[str, dict] | None = None,
+    progress: Callable[[dict], None] | None = None,
+) -> dict:
+    """Stage 2: every method to the target at the measured rate, step times at the others.
+
+    One job per rate and method (its seeds): a run found in ``saved`` (:func:`saved_runs`) is
+    not run again, and ``progress`` gets the runs so far after every job, so a stopped run
+    loses at most the job it was running.
+    """
+    saved = {} if saved is None else saved
     ns = f"compjax-e2e-{os.getpid()}"
     rates: dict[str, list[dict]] = {}
     common = {"eval_every": sweep_result["eval_every"], "model": model}
     common |= {"sync_every": args.sync_every} if args.sync_every else {}
+    installed, jobs = None, 0
     with netns.namespace(ns), tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
-            netns.run(netns.rate_command(rate, ns, installed=bool(rates)))
             # Local-step methods run to the target at every rate; synchronous ones at the
             # measured rate only (elsewhere their step time is measured and extrapolated).
             measured = {m.key: rate == MEASURED_RATE or m.local for m in methods}
             to_target = {"target": sweep_result["target"], "max_steps": sweep_result["max_steps"]}
             timed = {"target": None, "max_steps": EXTRAPOLATION_STEPS}
-            runs = [
-                {**common, "method": m.key, "seed": seed}
-                | {"lr": sweep_result["methods"][m.key]["lr"]}
-                | (to_target if measured[m.key] else timed)
-                for m in methods
-                for seed in args.seeds
-            ]
-            print(f"bench-e2e: {len(runs)} runs at {rate} in namespace {ns}", flush=True)
-            got = bench_net.launch(
-                ns, args.workers, runs, Path(tmp), BASE_PORT, args.timeout, module=WORKER
-            )
-            if isinstance(got, dict):  # a failure: what it wrote, and why
-                print(f"bench-e2e: FAILED at {rate}:\n{got.get('error')}", flush=True)
-                got = got.get("partial", [])
-            kinds = {True: "measured", False: "extrapolated"}
-            rates[rate] = [r | {"kind": kinds[measured[r["method"]]]} for r in got]
+            kind = {True: "measured", False: "extrapolated"}
+            rates[rate] = []
+            for m in methods:
+                wanted = [
+                    {**common, "method": m.key, "seed": seed}
+                    | {"lr": sweep_result["methods"][m.key]["lr"]}
+                    | (to_target if measured[m.key] else timed)
+                    for seed in args.seeds
+                ]
+                keys = [run_key(w, rate, args.workers) for w in wanted]
+                todo = [w for w, k in zip(wanted, keys, strict=True) if k not in saved]
+                if todo:
+                    if installed != rate:
+                        netns.run(netns.rate_command(rate, ns, installed=installed is not None))
+                        installed = rate
+                    seeds = [w["seed"] for w in todo]
+                    print(f"bench-e2e: {m.key} at {rate}, seeds {seeds}, in {ns}", flush=True)
+                    got = bench_net.launch(
+                        ns,
+                        args.workers,
+                        todo,
+                        Path(tmp),
+                        BASE_PORT + jobs % 64,
+                        args.timeout,
+                        module=WORKER,
+                    )
+                    jobs += 1
+                    if isinstance(got, dict):  # a failure: what it wrote, and why
+                        print(
+                            f"bench-e2e: FAILED ({m.key} at {rate}):\n{got.get('error')}",
+                            flush=True,
+                        )
+                        got = got.get("partial", [])
+                    stamp = {"kind": kind[measured[m.key]], "timed_at": _now(), "rate": rate}
+                    for run in got:
+                        saved[run_key(run, rate, args.workers)] = run | stamp
+                rates[rate] += [saved[k] for k in keys if k in saved]
+                if progress is not None:
+                    progress(rates)
     return rates
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -285,6 +356,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
     parser.add_argument("--model", default="", help="model overrides, e.g. width=32,layers=1")
     parser.add_argument("--sync-every", type=int, help="DiLoCo's H (default 50)")
+    parser.add_argument(
+        "--resume",
+        nargs="*",
+        metavar="FILE",
+        help="reuse the timed runs of earlier results files (default: the output directory's "
+        "bench_e2e.json) whose settings match; only the others run",
+    )
     parser.add_argument("--sweep-file", default=str(task.SWEEP_FILE))
     parser.add_argument("--out", default=str(ROOT / "results"), help="output directory")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per job")
@@ -335,7 +413,8 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"bench-e2e: skipped: {reason}")
         return 0
-    # The baselines run in every timed job: every speedup is against them, same run.
+    # The baselines are in every report: every speedup is against them (timed in this run, or
+    # with --resume possibly in an earlier one, which the report says).
     keys = {m.key for m in methods} | set(task.BASELINES if not args.quick else ("bf16",))
     methods = tuple(m for m in task.METHODS if m.key in keys)
     res = {
@@ -350,17 +429,35 @@ def main(argv=None) -> int:
         "sync_every": {m.key: args.sync_every or m.sync_every for m in task.METHODS if m.local},
         "measured_rate": MEASURED_RATE,
     }
-    res["rates"] = timed_runs(args, methods, sweep_result, model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    saved = {}
+    if args.resume is not None:
+        # Files named must exist; the default one may not (nothing run yet).
+        paths = [Path(p) for p in args.resume] or [out / "bench_e2e.json"]
+        try:
+            saved = saved_runs([p for p in paths if args.resume or p.exists()])
+        except FileNotFoundError as err:
+            print(f"bench-e2e: --resume: {err}", file=sys.stderr)
+            return 2
+        print(f"bench-e2e: {len(saved)} timed runs saved in {[str(p) for p in paths]}")
+
+    def write(rates: dict) -> None:
+        # After every job: this run's report so far, and every saved run it does not report
+        # (another method, seed or setting), so that a later --resume of this file loses none.
+        reported = {run_key(r, rate, args.workers) for rate, runs in rates.items() for r in runs}
+        other = [r for k, r in saved.items() if k not in reported]
+        res.update(rates=rates, other_runs=other, seconds=time.perf_counter() - start)
+        (out / "bench_e2e.json").write_text(json.dumps(res, indent=1, default=float))
+
+    res["rates"] = timed_runs(args, methods, sweep_result, model, saved, write)
     res["parameters"] = next(
         (r["parameters"] for runs in res["rates"].values() for r in runs), task.MODEL.parameters
     )
-    res["seconds"] = time.perf_counter() - start
     res["load_after"] = bench.load_average()
     table = bench_e2e_report.rows(res)
     res["table"] = table
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_e2e.json").write_text(json.dumps(res, indent=1, default=float))
+    write(res["rates"])
     text = bench_e2e_report.markdown(res, table)
     (out / "bench_e2e.md").write_text(text)
     bench_e2e_report.figure(res, out / "bench_e2e.png")

@@ -222,6 +222,20 @@ def _rounds(res: dict) -> str:
     return ", ".join(f"{key} {h}" for key, h in rounds.items()) or "none"
 
 
+def _reused(res: dict) -> str:
+    """Which runs ``--resume`` took from earlier runs' files, and what they took."""
+    runs = [r for rate_runs in res["rates"].values() for r in rate_runs]
+    reused = [r for r in runs if r.get("timed_in")]
+    if not reused:
+        return ""
+    files = sorted({r["timed_in"] for r in reused})
+    wall = sum(r["wall_s"] for r in reused)
+    return (
+        f"; {len(reused)} of its {len(runs)} runs were timed in earlier runs "
+        f"({', '.join(files)}; {wall:.0f} s of training and evaluation there)"
+    )
+
+
 def markdown(res: dict, table: list[dict]) -> str:
     """The report: setup, the summary table per rate, the goals."""
     sweep = res["sweep"]
@@ -235,7 +249,8 @@ def markdown(res: dict, table: list[dict]) -> str:
         f"{sweep['max_steps']} steps (3x). Local steps (inner AdamW): DiLoCo's outer Nesterov "
         f"(0.7, momentum 0.9), SparseLoCo's chunked top-k with error feedback; H: {_rounds(res)}. "
         f"Machine: {res['machine']['cpu']}, "
-        f"{res['machine']['cpu_count']} cores; the run took {res['seconds']:.0f} s.",
+        f"{res['machine']['cpu_count']} cores; the run took {res['seconds']:.0f} s"
+        f"{_reused(res)}.",
         "",
         "Seconds are training steps only (evaluations excluded). *measured*: ran to the target "
         "at that rate; *extrapolated*: steps to target from the measured rate (*simulated "

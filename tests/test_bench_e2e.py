@@ -3,6 +3,7 @@ the goals and the command line; and (slow) a tiny run in simulation and across p
 reaching the target at the same step.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -248,6 +249,107 @@ def test_command_line_errors(tmp_path, capsys):
     assert "--rates" in capsys.readouterr().err
     assert bench_e2e.main(["--sweep-file", str(tmp_path / "none.json")]) == 2
     assert "--sweep` first" in capsys.readouterr().err
+
+
+def _fake_network(monkeypatch, launched, stop_at=None):
+    """No namespace or tc (their commands recorded in ``launched``); each job's workers "run"
+    its configs: 1 s steps, the target reached at step 4 (or 6 for the sign vote)."""
+    monkeypatch.setattr(netns, "unavailable_reason", lambda ns: None)
+    monkeypatch.setattr(netns, "namespace", contextlib.nullcontext)
+    monkeypatch.setattr(
+        netns, "run", lambda argv: launched.append(("tc", argv[argv.index("rate") + 1]))
+    )
+
+    def launch(ns, n, config, tmp, port, timeout, module):
+        launched.append([(c["method"], c["seed"]) for c in config])
+        if len(launched) == stop_at:
+            raise KeyboardInterrupt
+        steps = {"sign-sg": 6}.get(config[0]["method"], 4)
+        steps = steps if config[0]["target"] is not None else config[0]["max_steps"]
+        reached = steps if config[0]["target"] is not None else None
+        return [
+            c
+            | _timed(c["method"], c["seed"], [1.0] * steps, reached)
+            | {"wall_s": 1.0, "parameters": 10}
+            for c in config
+        ]
+
+    monkeypatch.setattr(bench_e2e.bench_net, "launch", launch)
+
+
+def test_resume_runs_only_the_timed_runs_no_file_holds(tmp_path, monkeypatch, capsys):
+    """``--resume``: a timed run whose rate, processes and settings match a saved one is not
+    run again; every job's runs are written as it ends, so a stopped run loses at most the job
+    it was running, and saved runs this report does not use are carried in its file."""
+    sweep = {"target": 3.6, "budget_steps": 4, "max_steps": 12, "eval_every": 2, "seed": 0}
+    sweep["methods"] = {k: {"lr": 1e-3, "steps_to_target": 4} for k in ("fp32", "bf16")}
+    sweep["methods"]["sign-sg"] = {"lr": 1e-4, "steps_to_target": 6}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    base = {
+        "eval_every": 2,
+        "model": {},
+        "lr": 1e-3,
+        "target": 3.6,
+        "max_steps": 12,
+        "parameters": 10,
+    }
+    earlier = {
+        "rates": {"1gbit": [base | _timed("fp32", 0, [2.0] * 4, 4) | {"wall_s": 9.0}]},
+        "other_runs": [
+            base | _timed("bf16", 0, [1.0] * 4, 4) | {"rate": "1gbit", "wall_s": 5.0},
+            # Another learning rate than the sweep's: not this run's, so run again.
+            base | _timed("bf16", 1, [1.0] * 4, 4) | {"rate": "1gbit", "lr": 5e-4},
+        ],
+    }
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    out = tmp_path / "out"
+    argv = ["--methods", "sign-sg", "--sweep-file", str(tmp_path / "sweep.json")]
+    argv += ["--out", str(out)]
+    launched = []
+    _fake_network(monkeypatch, launched, stop_at=4)
+    with pytest.raises(KeyboardInterrupt):  # stopped while sign-sg runs at 1 Gbit/s
+        bench_e2e.main([*argv, "--resume", str(tmp_path / "earlier.json")])
+    assert launched == [
+        ("tc", "1gbit"),
+        [("fp32", 1)],
+        [("bf16", 1)],  # seed 0 is in the earlier file; its seed 1 there has another lr
+        [("sign-sg", 0), ("sign-sg", 1)],
+    ]
+    written = json.loads((out / "bench_e2e.json").read_text())
+    assert [(r["method"], r["seed"]) for r in written["rates"]["1gbit"]] == [
+        ("fp32", 0),
+        ("fp32", 1),
+        ("bf16", 0),
+        ("bf16", 1),
+    ]
+    assert [r.get("timed_in") for r in written["rates"]["1gbit"]] == [
+        "earlier.json",
+        None,
+        "earlier.json",
+        None,
+    ]
+    assert [r["lr"] for r in written["other_runs"]] == [5e-4]  # carried, not lost
+
+    launched.clear()
+    _fake_network(monkeypatch, launched)
+    assert bench_e2e.main([*argv, "--resume"]) == 0  # the output directory's own file
+    assert launched == [
+        ("tc", "1gbit"),
+        [("sign-sg", 0), ("sign-sg", 1)],
+        ("tc", "100mbit"),
+        *([(key, 0), (key, 1)] for key in ("fp32", "bf16", "sign-sg")),
+    ]
+    res = json.loads((out / "bench_e2e.json").read_text())
+    assert len(res["rates"]["1gbit"]) == 6 and len(res["rates"]["100mbit"]) == 6
+    assert res["rates"]["100mbit"][0]["kind"] == "extrapolated"
+    text = (out / "bench_e2e.md").read_text()
+    assert "4 of its 12 runs were timed in earlier runs (bench_e2e.json, earlier.json" in text
+
+    launched.clear()
+    assert bench_e2e.main([*argv, "--resume"]) == 0
+    assert launched == []  # everything saved: nothing runs, not even tc
+    assert bench_e2e.main([*argv, "--resume", str(tmp_path / "none.json")]) == 2
+    assert launched == [] and "none.json" in capsys.readouterr().err
 
 
 TINY = ["--workers", "2", "--model", "width=32,layers=1,heads=2", "--sync-every", "2"]
