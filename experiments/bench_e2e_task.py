@@ -9,7 +9,8 @@
   no download), as ``(n, length + 1)`` int32 token rows;
 * :func:`batch_rows`: the rows worker ``w`` trains on at step ``t``: a
   deterministic draw from ``(seed, step, worker)``, so that a simulated run
-  and a run across processes see the same batches and take the same steps;
+  and a run across processes see the same batches (and take the same steps, up to the
+  order in which their collectives sum floats);
 * :data:`METHODS`: the methods raced to the target, each an exchange
   (:mod:`experiments.methods` expression, or the bf16 baseline of
   bench-net) followed by its optimizer, and DiLoCo (inner AdamW, outer
