@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import bench_e2e, bench_e2e_report, bench_e2e_worker, data, netns
+from experiments import bench_e2e, bench_e2e_report, bench_e2e_sweep, bench_e2e_worker, data, netns
 from experiments import bench_e2e_task as task
 
 
@@ -60,30 +60,30 @@ def _run(method, reached, evals, lr=1e-3, diverged=False):
 
 def test_the_sweep_keeps_the_fewest_steps_to_target_else_the_lowest_loss():
     runs = [_run("a", 30, [(30, 2.0)], 1e-3), _run("a", 20, [(20, 2.1)], 2e-3)]
-    assert bench_e2e.best(runs)["lr"] == 2e-3
+    assert bench_e2e_sweep.best(runs)["lr"] == 2e-3
     none = [_run("a", None, [(9, 2.5)], 1e-3), _run("a", None, [(9, 2.4)], 2e-3)]
-    assert bench_e2e.best(none)["lr"] == 2e-3
+    assert bench_e2e_sweep.best(none)["lr"] == 2e-3
     diverged = [_run("a", None, [(9, float("nan"))], 1e-3, True), _run("a", None, [(9, 3.0)], 2e-3)]
-    assert bench_e2e.best(diverged)["lr"] == 2e-3
+    assert bench_e2e_sweep.best(diverged)["lr"] == 2e-3
 
 
 def test_a_grid_grows_past_the_end_its_kept_rate_lies_at():
     mid = [_run("a", 30, [(30, 2.0)], 1e-3), _run("a", 20, [(20, 2.0)], 2e-3)]
     mid += [_run("a", 40, [(40, 2.0)], 4e-3)]
-    assert bench_e2e.next_rate(mid) is None
+    assert bench_e2e_sweep.next_rate(mid) is None
     low = [_run("a", 20, [(20, 2.0)], 1e-3), _run("a", 30, [(30, 2.0)], 2e-3)]
-    assert bench_e2e.next_rate(low) == pytest.approx(5e-4)
+    assert bench_e2e_sweep.next_rate(low) == pytest.approx(5e-4)
     high = [_run("a", None, [(90, 2.6)], 3e-4), _run("a", None, [(90, 2.5)], 1e-3)]
-    assert bench_e2e.next_rate(high) == pytest.approx(1e-3 / 0.3)
+    assert bench_e2e_sweep.next_rate(high) == pytest.approx(1e-3 / 0.3)
     calls = []
 
     def run_at(rates, found):  # each new rate is better still: the grid grows twice, no more
         calls.append(rates)
         return [_run("a", 10 - len(calls), [(9, 2.0)], rates[0])]
 
-    assert bench_e2e.extend(low, run_at)
+    assert bench_e2e_sweep.extend(low, run_at)
     assert calls == [[pytest.approx(5e-4)], [pytest.approx(2.5e-4)]]
-    assert not bench_e2e.extend(mid, run_at)
+    assert not bench_e2e_sweep.extend(mid, run_at)
 
 
 def test_a_stopped_sweep_resumes_at_the_rate_it_was_running(tmp_path, monkeypatch):
@@ -105,14 +105,14 @@ def test_a_stopped_sweep_resumes_at_the_rate_it_was_running(tmp_path, monkeypatc
             _run("qsgd-sg", steps, [(steps, 1.4)], run["lr"]) | {"steps_run": steps, "train_s": 1.0}
         ]
 
-    monkeypatch.setattr(bench_e2e, "simulate", simulate)
+    monkeypatch.setattr(bench_e2e_sweep, "simulate", simulate)
     args = bench_e2e.parse_args(["--sweep-file", str(sweep_file), "--budget-steps", "4"])
     method = task.select(["qsgd-sg"])
     with pytest.raises(KeyboardInterrupt):
-        bench_e2e.sweep(args, method, {})
+        bench_e2e_sweep.sweep(args, method, {})
     saved = json.loads(sweep_file.read_text())
     assert [r["lr"] for r in saved["partial"]["qsgd-sg"]] == [5e-4]
-    bench_e2e.sweep(args, method, {})
+    bench_e2e_sweep.sweep(args, method, {})
     # 5e-4 was not run again; the next rates were capped by its 6 steps (and 1e-3's 8).
     assert calls[2:] == [(1e-3, [6]), (2.5e-4, [6, 8])]
     saved = json.loads(sweep_file.read_text())
