@@ -10,17 +10,10 @@ reports wall-clock seconds, steps and bits to the target.
 
 Two stages:
 
-1. ``--sweep`` (:mod:`experiments.bench_e2e_sweep`; simulation: one process holding the
-   4 workers as CPU devices, no network).  Dense bf16 is trained for the token budget at each of its
-   learning rates; its best validation loss there is the **target** (and
-   those runs give its own steps to the target).  Every other method then
-   runs at each of its learning rates until the target or 3x the budget,
-   and keeps the rate that reached it in the fewest steps (a rate is stopped
-   at the fewest steps an earlier rate needed: it can no longer win).  A sweep stopped
-   part way resumes where it stopped, at the rate it was running (``--fresh`` starts again).
-   The result, with every trajectory, is committed as
-   ``experiments/bench_e2e_sweep.json``: the target is fixed before any timed
-   run.
+1. ``--sweep`` (:mod:`experiments.bench_e2e_sweep`, in simulation): the **target** (dense
+   bf16's best validation loss at the token budget) and each method's learning rate, the
+   rate that reaches it in the fewest steps.  Committed as
+   ``experiments/bench_e2e_sweep.json``: the target is fixed before any timed run.
 2. The timed runs (as root): at 1 Gbit/s every method runs to the target for
    real, per seed.  At 0.1 Gbit/s a synchronous method's steps to target are
    those of its 1 Gbit/s run (its trajectory does not depend on the link)
@@ -32,8 +25,7 @@ The timed runs go one job per rate and method, the results file rewritten after 
 ``--resume`` reuses the runs of earlier results files whose settings match, so a full run
 can be made in parts.  Writes ``results/bench_e2e.{json,md,png}``
 (:mod:`experiments.bench_e2e_report`) and, for a full run, copies them to
-``paper_figs/out/``.  ``--quick``: one
-seed, 1 Gbit/s, dense bf16 and two methods.
+``paper_figs/out/``.  ``--quick``: one seed, 1 Gbit/s, dense bf16 and two methods.
 
 Usage::
 
@@ -58,7 +50,7 @@ from pathlib import Path
 
 from experiments import bench, bench_e2e_report, bench_net, netns
 from experiments import bench_e2e_task as task
-from experiments.bench_e2e_sweep import WORKER, sweep
+from experiments.bench_e2e_sweep import ROOT, WORKER, sweep
 
 WORKERS = 4
 #: The token budget of the target: dense bf16's steps (of 4 x 2 x 64 characters).
@@ -72,7 +64,6 @@ SEEDS = (0, 1)
 QUICK_METHODS = ("bf16", "sign-sg", "qsgd-sg")
 BASE_PORT = 29600
 TIMEOUT_S = 3 * 3600
-ROOT = Path(__file__).resolve().parent.parent
 FIGURE_COPY = ROOT / "paper_figs" / "out" / "bench_e2e.png"  # and .json, .md
 
 
