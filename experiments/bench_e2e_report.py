@@ -16,13 +16,21 @@
 
 Each row carries its speedups over dense float32 and over the bf16
 all-reduce of the same rate and seed, and the prediction
-``steps_to_target(simulation, seed 0) x median step time``, with the ratio
-of measured to predicted (measured rows only).
+``steps_to_target(simulation, seed 0) x step time`` (:func:`step_time`: the
+median step, or a local-steps method's mean step over a round, its
+synchronisation included), with the ratio of measured to predicted
+(measured rows only).
+
+``python -m experiments.bench_e2e_report FILE.json ...`` rebuilds a saved run's
+table, report and figure from its runs (:func:`rerender`).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -44,6 +52,19 @@ def median_step(run: dict) -> float:
     return float(statistics.median(run["step_times"]))
 
 
+def step_time(run: dict, sync_every: int | None = None) -> float:
+    """The step time a prediction multiplies: the median step of a synchronous method; for a
+    local-steps method (a round of ``sync_every`` steps, one of them synchronising), the median
+    over its complete rounds of a round's mean step, so that the synchronisation is counted
+    (the median step is a local one, which would leave it out)."""
+    times = run["step_times"]
+    if not sync_every or len(times) < sync_every:
+        return median_step(run) if not sync_every else float(np.mean(times))
+    whole = len(times) // sync_every * sync_every
+    rounds = np.asarray(times[:whole], dtype=float).reshape(-1, sync_every)
+    return float(np.median(rounds.mean(axis=1)))
+
+
 def bits_per_worker(run: dict) -> float | None:
     """Loopback bits per worker per step of a measured run, ``None`` in simulation."""
     if run.get("tx_bytes") is None:
@@ -54,12 +75,13 @@ def bits_per_worker(run: dict) -> float | None:
 def rows(res: dict) -> list[dict]:
     """One row per (rate, method, seed), measured or extrapolated (see the module docstring)."""
     sim = res["sweep"]["methods"]
+    rounds = _local_rounds(res)
     out = []
     for rate, runs in res["rates"].items():
         for run in runs:
             key, seed = run["method"], run["seed"]
             row = {"rate": rate, "method": key, "seed": seed, "kind": run["kind"]}
-            step_s = median_step(run)
+            step_s = step_time(run, rounds.get(key))
             if run["kind"] == "measured":
                 steps, seconds = run["reached_step"], time_to_target(run)
                 final = run["evals"][-1][1]
@@ -98,6 +120,15 @@ def rows(res: dict) -> list[dict]:
             ok = ref and ref["seconds"] and row["seconds"]
             row[f"speedup_{base}"] = ref["seconds"] / row["seconds"] if ok else None
     return out
+
+
+def _local_rounds(res: dict) -> dict[str, int]:
+    """Each local-steps method's round ``H`` (an older result's single ``sync_every``
+    applies to all of its local methods)."""
+    rounds = res.get("sync_every") or {}
+    if not isinstance(rounds, dict):
+        rounds = {key: rounds for key in res.get("local_methods", [])}
+    return {key: h for key, h in rounds.items() if key in res.get("local_methods", [])}
 
 
 def _simulated(res: dict, key: str, seed: int) -> dict | None:
@@ -269,7 +300,9 @@ def markdown(res: dict, table: list[dict]) -> str:
         "at that rate; *extrapolated*: steps to target from the measured rate (*simulated "
         "steps*: from the sweep's simulation, where the measured rate did not run) x the median "
         "step time measured at this rate (a synchronous method's trajectory does not depend on the "
-        "link). Predicted: steps to target in simulation x the median step time.",
+        "link). Predicted: steps to target in simulation x the median step time (a local-steps "
+        "method's: the median over its rounds of a round's mean step, the synchronisation "
+        "included).",
         "",
     ]
     body = []
@@ -337,3 +370,20 @@ def figure(res: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def rerender(path: Path) -> str:
+    """Rebuild a results file's table, report and figure from its runs (after a change to
+    this module): ``path`` (``.json``) and its ``.md`` and ``.png`` are rewritten; the report."""
+    res = json.loads(path.read_text())
+    res["table"] = rows(res)
+    path.write_text(json.dumps(res, indent=1, default=float))
+    text = markdown(res, res["table"])
+    path.with_suffix(".md").write_text(text)
+    figure(res, path.with_suffix(".png"))
+    return text
+
+
+if __name__ == "__main__":  # python -m experiments.bench_e2e_report results/bench_e2e.json ...
+    for name in sys.argv[1:]:
+        print(rerender(Path(name)))

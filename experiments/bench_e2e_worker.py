@@ -225,7 +225,7 @@ def _line(r: dict) -> str:
     end = f"target at step {r['reached_step']}" if r["reached_step"] else "target not reached"
     end = "diverged" if r["diverged"] else end
     return (
-        f"{r['method']:>12s} lr {r['lr']:.0e} seed {r['seed']}: {r['steps_run']} steps, "
+        f"{r['method']:>12s} lr {r['lr']:.3g} seed {r['seed']}: {r['steps_run']} steps, "
         f"{r['train_s']:.1f} s training, validation {r['evals'][-1][1]:.4f}, {end}"
     )
 

@@ -182,6 +182,22 @@ def test_time_to_target_speedups_bits_and_extrapolation():
     assert slow["final_validation"] == sign["final_validation"]
 
 
+def test_a_local_steps_prediction_counts_its_synchronisations():
+    # Rounds of 3 steps, the last of each synchronising (5 s): the median step (0.5 s) would
+    # predict 3 s for 6 steps; the round's mean step (2 s) predicts the 12 s it took.
+    res = _result() | {"local_methods": ["diloco"], "sync_every": {"diloco": 3}}
+    res["sweep"]["methods"]["diloco"] = {"steps_to_target": 6}
+    times = [0.5, 0.5, 5.0] * 2 + [0.5]  # the last, unfinished round does not count
+    res["rates"]["100mbit"].append(_timed("diloco", 0, times, 6))
+    diloco = next(r for r in bench_e2e_report.rows(res) if r["method"] == "diloco")
+    assert diloco["seconds"] == 12.0 and diloco["step_s"] == 2.0
+    assert diloco["predicted_s"] == 12.0 and diloco["measured_over_predicted"] == 1.0
+    # A synchronous method keeps the median step (its first, slow step does not move it).
+    assert bench_e2e_report.step_time({"step_times": [9.0, 1.0, 1.0]}) == 1.0
+    # Fewer steps than a round: their mean.
+    assert bench_e2e_report.step_time({"step_times": [1.0, 3.0]}, 3) == 2.0
+
+
 def test_without_the_measured_rate_steps_to_target_come_from_the_simulation(tmp_path):
     res = _result()
     del res["rates"]["1gbit"]
@@ -232,6 +248,12 @@ def test_the_report_and_figure_are_written(tmp_path):
     assert "| sign vote | extrapolated |" in text
     bench_e2e_report.figure(res, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").stat().st_size > 0
+    # A saved run rebuilt from its runs: the same report, its table recomputed.
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(res | {"table": []}))
+    assert bench_e2e_report.rerender(saved) == text
+    assert json.loads(saved.read_text())["table"] == bench_e2e_report.rows(res)
+    assert saved.with_suffix(".md").read_text() == text and saved.with_suffix(".png").exists()
 
 
 def test_command_line_errors(tmp_path, capsys):
