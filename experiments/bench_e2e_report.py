@@ -334,16 +334,21 @@ def markdown(res: dict, table: list[dict]) -> str:
 
 
 def figure(res: dict, path) -> None:
-    """Validation loss against training seconds, one panel per rate, the target dashed."""
+    """Validation loss against training seconds, one panel per rate, the target dotted; a
+    method has one colour in every panel, its later seeds fainter, extrapolated runs dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rates = list(res["rates"])
-    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 4), squeeze=False)
+    methods = list(dict.fromkeys(r["method"] for runs in res["rates"].values() for r in runs))
+    palette = [*plt.get_cmap("tab10").colors, "black", "olive"]
+    colour = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(1, len(rates), figsize=(7 * len(rates), 5), squeeze=False)
     for ax, rate in zip(axes[0], rates, strict=True):
-        for i, run in enumerate(res["rates"][rate]):
+        labelled = set()
+        for run in res["rates"][rate]:
             if run["kind"] == "measured":
                 source = run
                 clock = np.concatenate([[0.0], np.cumsum(run["step_times"])])
@@ -354,15 +359,19 @@ def figure(res: dict, path) -> None:
                     continue
                 clock = median_step(run) * np.arange(source["evals"][-1][0] + 1)
             steps, values = zip(*source["evals"], strict=True)
+            first = run["method"] not in labelled
+            labelled.add(run["method"])
             ax.plot(
                 clock[list(steps)],
                 values,
                 linestyle="-" if run["kind"] == "measured" else "--",
-                color=f"C{i % 10}",
-                label=f"{res['labels'].get(run['method'], run['method'])} (seed {run['seed']})",
+                color=colour[run["method"]],
+                alpha=1.0 if first else 0.45,
+                label=res["labels"].get(run["method"], run["method"]) if first else None,
             )
         ax.axhline(res["sweep"]["target"], color="k", linestyle=":", label="target")
-        ax.set(title=rate, xlabel="training seconds", ylabel="validation loss")
+        title = f"{rate} (fainter: later seeds; dashed: extrapolated)"
+        ax.set(title=title, xlabel="training seconds", ylabel="validation loss")
         # symlog: linear below one second, so the step-0 evaluation (clock 0) stays on the axis
         ax.set_xscale("symlog", linthresh=1.0)
         ax.set_xlim(left=0.0)
