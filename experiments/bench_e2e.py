@@ -61,7 +61,7 @@ EXTRAPOLATED_RATES = ("100mbit",)
 #: Steps timed at an extrapolated rate (a dense step takes seconds there).
 EXTRAPOLATION_STEPS = 6
 SEEDS = (0, 1)
-QUICK_METHODS = ("bf16", "sign-sg", "qsgd-sg")
+QUICK_METHODS = ("bf16", "sign-sg", "qsgd512-sg")
 BASE_PORT = 29600
 TIMEOUT_S = 3 * 3600
 FIGURE_COPY = ROOT / "paper_figs" / "out" / "bench_e2e.png"  # and .json, .md

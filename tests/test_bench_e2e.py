@@ -102,21 +102,22 @@ def test_a_stopped_sweep_resumes_at_the_rate_it_was_running(tmp_path, monkeypatc
             raise KeyboardInterrupt  # stopped while its second rate runs
         steps = {5e-4: 6, 1e-3: 8, 2.5e-4: 10}[run["lr"]]
         return [
-            _run("qsgd-sg", steps, [(steps, 1.4)], run["lr"]) | {"steps_run": steps, "train_s": 1.0}
+            _run("qsgd512-sg", steps, [(steps, 1.4)], run["lr"])
+            | {"steps_run": steps, "train_s": 1.0}
         ]
 
     monkeypatch.setattr(bench_e2e_sweep, "simulate", simulate)
     args = bench_e2e.parse_args(["--sweep-file", str(sweep_file), "--budget-steps", "4"])
-    method = task.select(["qsgd-sg"])
+    method = task.select(["qsgd512-sg"])
     with pytest.raises(KeyboardInterrupt):
         bench_e2e_sweep.sweep(args, method, {})
     saved = json.loads(sweep_file.read_text())
-    assert [r["lr"] for r in saved["partial"]["qsgd-sg"]] == [5e-4]
+    assert [r["lr"] for r in saved["partial"]["qsgd512-sg"]] == [5e-4]
     bench_e2e_sweep.sweep(args, method, {})
     # 5e-4 was not run again; the next rates were capped by its 6 steps (and 1e-3's 8).
     assert calls[2:] == [(1e-3, [6]), (2.5e-4, [6, 8])]
     saved = json.loads(sweep_file.read_text())
-    assert saved["methods"]["qsgd-sg"]["lr"] == 5e-4 and saved["partial"] == {}
+    assert saved["methods"]["qsgd512-sg"]["lr"] == 5e-4 and saved["partial"] == {}
 
 
 def test_a_swept_rate_stops_at_the_fewest_steps_an_earlier_rate_of_its_method_needed():
