@@ -117,9 +117,9 @@ def timed_runs(
     installed, jobs = None, 0
     with netns.namespace(ns), tempfile.TemporaryDirectory() as tmp:
         for rate in args.rates:
-            # Local-step methods run to the target at every rate; synchronous ones at the
-            # measured rate only (elsewhere their step time is measured and extrapolated).
-            measured = {m.key: rate == MEASURED_RATE or m.local for m in methods}
+            # Steady methods (every step alike) run to the target at the measured rate only
+            # (elsewhere their step time is measured and extrapolated); the others everywhere.
+            measured = {m.key: rate == MEASURED_RATE or not m.steady for m in methods}
             to_target = {"target": sweep_result["target"], "max_steps": sweep_result["max_steps"]}
             timed = {"target": None, "max_steps": EXTRAPOLATION_STEPS}
             kind = {True: "measured", False: "extrapolated"}
@@ -259,6 +259,7 @@ def main(argv=None) -> int:
         "labels": {m.key: m.label for m in task.METHODS},
         "local_methods": [m.key for m in task.METHODS if m.local],
         "sync_every": {m.key: args.sync_every or m.sync_every for m in task.METHODS if m.local},
+        "warmup": {m.key: m.warmup for m in task.METHODS if m.warmup},
         "measured_rate": MEASURED_RATE,
     }
     out = Path(args.out)

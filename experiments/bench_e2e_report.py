@@ -18,8 +18,8 @@ Each row carries its speedups over dense float32 and over the bf16
 all-reduce of the same rate and seed, and the prediction
 ``steps_to_target(simulation, seed 0) x step time`` (:func:`step_time`: the
 median step, or a local-steps method's mean step over a round, its
-synchronisation included), with the ratio of measured to predicted
-(measured rows only).
+synchronisation included; :func:`predict`: a warm-up's steps at their own
+time), with the ratio of measured to predicted (measured rows only).
 
 ``python -m experiments.bench_e2e_report FILE.json ...`` rebuilds a saved run's
 table, report and figure from its runs (:func:`rerender`).
@@ -93,7 +93,8 @@ def rows(res: dict) -> list[dict]:
                 row["steps_from"] = None if base is None else base.get("source", "measured")
             bits = bits_per_worker(run)
             sim_steps = sim.get(key, {}).get("steps_to_target")
-            predicted = None if sim_steps is None else sim_steps * step_s
+            warmup = res.get("warmup", {}).get(key, 0)
+            predicted = None if sim_steps is None else predict(run, sim_steps, step_s, warmup)
             row |= {
                 "steps": steps,
                 "seconds": seconds,
@@ -120,6 +121,18 @@ def rows(res: dict) -> list[dict]:
             ok = ref and ref["seconds"] and row["seconds"]
             row[f"speedup_{base}"] = ref["seconds"] / row["seconds"] if ok else None
     return out
+
+
+def predict(run: dict, steps: int, step_s: float, warmup: int = 0) -> float:
+    """Seconds for ``steps`` steps at ``step_s`` each; with a ``warmup`` (1-bit Adam's dense
+    steps before its freeze), the warm-up steps at their own median time and the others at the
+    median of the steps after it."""
+    times = run["step_times"]
+    if not warmup or len(times) <= warmup:
+        return steps * step_s
+    early = float(statistics.median(times[:warmup]))
+    late = float(statistics.median(times[warmup:]))
+    return min(steps, warmup) * early + max(steps - warmup, 0) * late
 
 
 def _local_rounds(res: dict) -> dict[str, int]:
@@ -302,7 +315,7 @@ def markdown(res: dict, table: list[dict]) -> str:
         "step time measured at this rate (a synchronous method's trajectory does not depend on the "
         "link). Predicted: steps to target in simulation x the median step time (a local-steps "
         "method's: the median over its rounds of a round's mean step, the synchronisation "
-        "included).",
+        "included; 1-bit Adam's warm-up steps at their own median).",
         "",
     ]
     body = []

@@ -57,6 +57,8 @@ class E2EMethod:
       outer_compressor: the compressor of DiLoCo's pseudo-gradients (``None``: exact).
       outer: the local-steps method: ``"diloco"`` (outer Nesterov) or ``"sparseloco"``
         (:func:`compjax.sparseloco`'s chunked top-k pseudo-gradients with error feedback).
+      warmup: steps before the method's messages change (1-bit Adam's dense warm-up before
+        its freeze step); ``0``: every step sends the same.
     """
 
     bench: BenchMethod
@@ -65,11 +67,19 @@ class E2EMethod:
     sync_every: int | None = None
     outer_compressor: Callable[[], compjax.Compressor] | None = None
     outer: str = "diloco"
+    warmup: int = 0
 
     @property
     def local(self) -> bool:
         """Whether each worker trains its own copy between synchronisations."""
         return self.optimizer == "diloco"
+
+    @property
+    def steady(self) -> bool:
+        """Whether a few steps time every step: a synchronous method without a warm-up.  The
+        others (local steps, a warm-up) run to the target at every rate, since their steps
+        differ in cost (the median of a few would be a local or a warm-up step's)."""
+        return not self.local and self.warmup == 0
 
     def local_optimizer(
         self, lr: float, axis_name: str, sync_every: int | None = None
@@ -100,6 +110,8 @@ class E2EMethod:
 #: runs until the target, the others stop at its steps (see the sweep).  The target's own
 #: sweep of dense bf16 kept 5e-4 (after growing its first grid, 1e-3 to 4e-3, downwards).
 ADAM_LRS = (5e-4, 1e-3, 2.5e-4)
+#: 1-bit Adam's warm-up: dense Adam steps before its variance freezes and 1-bit messages start.
+ONEBIT_FREEZE = 50
 #: DiLoCo's round, as bench-net times it.
 DILOCO_H = bench_net_model.DILOCO_H
 
@@ -136,10 +148,14 @@ METHODS: tuple[E2EMethod, ...] = (
     E2EMethod(_BENCH["powersgd"], "adam", ADAM_LRS),
     E2EMethod(
         BenchMethod(
-            "onebit-adam", "1-bit Adam", f"onebit_adam(freeze_step=50, {B})", "scatter_gather"
+            "onebit-adam",
+            "1-bit Adam",
+            f"onebit_adam(freeze_step={ONEBIT_FREEZE}, {B})",
+            "scatter_gather",
         ),
         "sgd",
         ADAM_LRS,
+        warmup=ONEBIT_FREEZE,
     ),
     E2EMethod(
         BenchMethod("diloco", "DiLoCo", "diloco", "allreduce"),

@@ -199,6 +199,21 @@ def test_a_local_steps_prediction_counts_its_synchronisations():
     assert bench_e2e_report.step_time({"step_times": [1.0, 3.0]}, 3) == 2.0
 
 
+def test_a_warm_up_is_timed_apart_and_runs_to_the_target_at_every_rate():
+    # 1-bit Adam: 2 dense warm-up steps of 10 s, then 1 s steps.  The median step (1 s) would
+    # predict 5 s for 5 steps; the phases predict 2 x 10 + 3 x 1 = 23 s.
+    res = _result() | {"warmup": {"onebit-adam": 2}}
+    res["sweep"]["methods"]["onebit-adam"] = {"steps_to_target": 5}
+    res["rates"]["100mbit"].append(_timed("onebit-adam", 0, [10.0, 10.0, 1.0, 1.0, 1.0], 5))
+    onebit = next(r for r in bench_e2e_report.rows(res) if r["method"] == "onebit-adam")
+    assert onebit["seconds"] == 23.0 and onebit["predicted_s"] == 23.0
+    assert bench_e2e_report.predict({"step_times": [10.0, 10.0, 1.0]}, 1, 1.0, warmup=2) == 10.0
+    # A few steps time a steady method only: the others run to the target at every rate.
+    steady = {key for key, m in task.BY_KEY.items() if m.steady}
+    assert "sign-sg" in steady and "qsgd512-sg" in steady
+    assert not steady & {"onebit-adam", "diloco", "diloco-int8", "sparseloco"}
+
+
 def test_without_the_measured_rate_steps_to_target_come_from_the_simulation(tmp_path):
     res = _result()
     del res["rates"]["1gbit"]
