@@ -396,8 +396,12 @@ def figure(res: dict, path) -> None:
 
 def rerender(path: Path) -> str:
     """Rebuild a results file's table, report and figure from its runs (after a change to
-    this module): ``path`` (``.json``) and its ``.md`` and ``.png`` are rewritten; the report."""
+    this module, or from a stopped run's file): ``path`` (``.json``) and its ``.md`` and
+    ``.png`` are rewritten; the report."""
     res = json.loads(path.read_text())
+    runs = [r for rate_runs in res["rates"].values() for r in rate_runs]
+    if "parameters" not in res and runs:  # a stopped run's file: written before its end
+        res["parameters"] = runs[0]["parameters"]
     res["table"] = rows(res)
     path.write_text(json.dumps(res, indent=1, default=float))
     text = markdown(res, res["table"])

@@ -270,6 +270,12 @@ def test_the_report_and_figure_are_written(tmp_path):
     assert bench_e2e_report.rerender(saved) == text
     assert json.loads(saved.read_text())["table"] == bench_e2e_report.rows(res)
     assert saved.with_suffix(".md").read_text() == text and saved.with_suffix(".png").exists()
+    # A stopped run's file (written before its end: no parameter count yet) takes the runs'.
+    stopped = {k: v for k, v in res.items() if k != "parameters"}
+    for run in stopped["rates"]["1gbit"] + stopped["rates"]["100mbit"]:
+        run["parameters"] = 10
+    saved.write_text(json.dumps(stopped))
+    assert bench_e2e_report.rerender(saved) == text
 
 
 def test_command_line_errors(tmp_path, capsys):
