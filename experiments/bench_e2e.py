@@ -15,11 +15,12 @@ Two stages:
    rate that reaches it in the fewest steps.  Committed as
    ``experiments/bench_e2e_sweep.json``: the target is fixed before any timed run.
 2. The timed runs (as root): at 1 Gbit/s every method runs to the target for
-   real, per seed.  At 0.1 Gbit/s a synchronous method's steps to target are
-   those of its 1 Gbit/s run (its trajectory does not depend on the link)
-   and only its step time is measured, over a few steps: those rows are
-   labelled *extrapolated*.  Local-step methods (DiLoCo) run to the target
-   at every rate.
+   real, per seed.  At 0.1 Gbit/s a steady method's (synchronous, every step
+   alike) steps to target are those of its 1 Gbit/s run (its trajectory does
+   not depend on the link) and only its step time is measured, over a few
+   steps: those rows are labelled *extrapolated*.  Local-step methods
+   (DiLoCo, SparseLoCo) and 1-bit Adam (dense warm-up steps, then 1-bit
+   ones) run to the target at every rate.
 
 The timed runs go one job per rate and method, the results file rewritten after each;
 ``--resume`` reuses the runs of earlier results files whose settings match, so a full run
