@@ -6,8 +6,11 @@ hence its own inverse.  It runs in ``k`` butterfly stages of ``n`` additions
 each (``O(n log n)``), never a dense matrix: each stage a product with
 ``H_2`` that transforms the leading index bit and moves it last
 (``H_n = H_2 (x) ... (x) H_2``), so after ``k`` stages the order is natural
-again.  A long vector is transformed in cache-sized blocks, in two passes
-over memory.
+again.  On a CPU a long vector is transformed in cache-sized blocks, in two
+passes over memory.  On an accelerator (GPU, TPU) the stages are grouped
+into a few matrix products with small Hadamard matrices
+(``H_n = H_64 (x) ... (x) H_64``), each one pass over memory: the CPU's
+sequential loop over blocks would launch thousands of small kernels.
 
 A randomized Hadamard rotation is ``R x = fwht(D x)`` with ``D`` a diagonal of
 random signs; ``rounds`` of them (``R = H D_r ... H D_1``) bring the rotated
@@ -48,13 +51,24 @@ _H2 = ((1.0, 1.0), (1.0, -1.0))
 _SIGN_BIT = 0x80000000
 
 
+#: Most index bits one matrix product of the accelerators' transform handles (``H_64``).
+_FACTOR_BITS = 6
+
+
+def _on_accelerator() -> bool:
+    """Whether JAX's default backend is an accelerator (the transform's grouped form)."""
+    return jax.default_backend() != "cpu"
+
+
 def fwht(x: jax.Array) -> jax.Array:
     """Orthonormal Walsh-Hadamard transform along the last axis (length a power of two).
 
     Equals ``x @ scipy.linalg.hadamard(n) / sqrt(n)``; ``fwht(fwht(x)) == x``
-    up to rounding.  A vector longer than ``2**16`` is transformed in two
-    blocked passes over memory instead of one pass per stage (the same
-    additions in the same order, so the same bits; :func:`_blocked`).
+    up to rounding.  On a CPU a vector longer than ``2**16`` is transformed
+    in two blocked passes over memory instead of one pass per stage (the same
+    additions in the same order, so the same bits; :func:`_blocked`).  On an
+    accelerator the stages run as products with ``H_64`` (:func:`_grouped`):
+    the same transform, rounded differently.
     """
     n = x.shape[-1]
     if n & (n - 1):
@@ -62,6 +76,8 @@ def fwht(x: jax.Array) -> jax.Array:
     if n == 0:
         return x
     scale = jnp.asarray(n**-0.5, x.dtype)
+    if _on_accelerator():
+        return _grouped(x)
     if x.ndim == 1 and n > _BLOCK:
         return _blocked(x)
     batch = x.shape[:-1]
@@ -87,6 +103,44 @@ def _leading_stages(x: jax.Array, stages: int) -> jax.Array:
             x.reshape(2, -1), h2, (((0,), (0,)), ((), ())), precision=jax.lax.Precision.HIGHEST
         )
     return x.reshape(-1)
+
+
+def _factor_bits(bits: int) -> list[int]:
+    """``bits`` split into as few parts of at most :data:`_FACTOR_BITS` as can be, as even."""
+    parts = -(-bits // _FACTOR_BITS)
+    return [bits // parts + (i < bits % parts) for i in range(parts)]
+
+
+def _grouped(x: jax.Array) -> jax.Array:
+    """:func:`fwht` as a few matrix products, for accelerators.
+
+    With ``n = f_1 ... f_p`` (each ``f <= 64``, :func:`_factor_bits`) and
+    ``H_n = H_(f_1) (x) ... (x) H_(f_p)``, each product contracts the leading
+    index digit of every row with ``H_f`` and moves the transformed digit
+    last (as :func:`_leading_stages` does one bit at a time), so after ``p``
+    products the order is natural.  A product reads and writes the array
+    once: ``p`` passes (4 for ``2**24`` entries) instead of ``log2 n``.
+    """
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    for bits in _factor_bits(n.bit_length() - 1):
+        h = jnp.asarray(_sylvester(bits), x.dtype)
+        rows = jax.lax.dot_general(
+            rows.reshape(rows.shape[0], 1 << bits, -1),
+            h,
+            (((1,), (0,)), ((), ())),
+            precision=jax.lax.Precision.HIGHEST,
+        ).reshape(rows.shape[0], n)
+    return (rows * jnp.asarray(n**-0.5, x.dtype)).reshape(x.shape)
+
+
+@functools.cache
+def _sylvester(bits: int):
+    """The Sylvester Hadamard matrix of order ``2**bits`` (entries +-1), as nested tuples."""
+    h = [[1.0]]
+    for _ in range(bits):
+        h = [row + row for row in h] + [row + [-v for v in row] for row in h]
+    return tuple(tuple(row) for row in h)
 
 
 def _flip(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -224,7 +278,13 @@ def rotate_key(key, x: jax.Array, rounds: int = 1) -> jax.Array:
     """
     if not _fuses_signs(key, x, rounds):
         return rotate(random_signs(key, x.shape[-1], rounds), x)
-    return _blocked(x, _sign_draws(key, x.shape[0], rounds))
+    draws = _sign_draws(key, x.shape[0], rounds)
+    if _on_accelerator():  # each round's flips fuse into its first product
+        index = jax.lax.iota(jnp.uint32, x.shape[0])
+        for draw in draws:
+            x = fwht(_flip(x, draw(index)))
+        return x
+    return _blocked(x, draws)
 
 
 def unrotate_key(key, y: jax.Array, rounds: int = 1) -> jax.Array:
@@ -232,4 +292,10 @@ def unrotate_key(key, y: jax.Array, rounds: int = 1) -> jax.Array:
     signs drawn inside each round's second blocked pass."""
     if not _fuses_signs(key, y, rounds):
         return unrotate(random_signs(key, y.shape[-1], rounds), y)
-    return _blocked(y, _sign_draws(key, y.shape[0], rounds)[::-1], inverse=True)
+    draws = _sign_draws(key, y.shape[0], rounds)[::-1]
+    if _on_accelerator():
+        index = jax.lax.iota(jnp.uint32, y.shape[0])
+        for draw in draws:
+            y = _flip(fwht(y), draw(index))
+        return y
+    return _blocked(y, draws, inverse=True)

@@ -105,6 +105,44 @@ def test_rotation_with_signs_drawn_in_the_passes_is_rotate_bit_for_bit():
     )
 
 
+@pytest.fixture
+def accelerator_form(monkeypatch):
+    """The transform an accelerator runs (products with small Hadamard matrices), on the CPU."""
+    monkeypatch.setattr(hadamard, "_on_accelerator", lambda: True)
+
+
+def test_grouped_fwht_is_the_hadamard_matrix(accelerator_form):
+    """The accelerators' form: ``H_n`` as products with ``H_f`` (f <= 64), the digits moved
+    last each time, equals the matrix (here 2**13 = 2**5 2**4 2**4, and small n)."""
+    assert hadamard._factor_bits(24) == [6, 6, 6, 6]
+    assert hadamard._factor_bits(13) == [5, 4, 4]
+    assert hadamard._factor_bits(0) == []
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 64, 128, 1 << 13):
+        x = rng.standard_normal((2, n)).astype(np.float32)
+        y = np.asarray(hadamard.fwht(jnp.asarray(x)))
+        np.testing.assert_allclose(y, x @ linalg.hadamard(n) / np.sqrt(n), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(hadamard.fwht(jnp.asarray(y)), x, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(hadamard.fwht(jnp.asarray(x[0])), y[0], rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_rotation_draws_the_same_signs(accelerator_form):
+    """On an accelerator ``rotate_key`` flips signs drawn from the index before each product:
+    the same bits as ``rotate`` with ``random_signs`` there, and the CPU's rotation up to
+    rounding."""
+    n, key = 1 << 17, jax.random.key_data(jax.random.key(9))
+    x = jax.random.normal(jax.random.key(8), (n,), jnp.float32)
+    signs = hadamard.random_signs(key, n, 2)
+    y = hadamard.rotate_key(key, x, 2)
+    np.testing.assert_array_equal(y, hadamard.rotate(signs, x))
+    back = hadamard.unrotate_key(key, y, 2)
+    np.testing.assert_array_equal(back, hadamard.unrotate(signs, y))
+    np.testing.assert_allclose(back, x, rtol=1e-4, atol=1e-4)
+    with pytest.MonkeyPatch.context() as cpu:
+        cpu.setattr(hadamard, "_on_accelerator", lambda: False)
+        np.testing.assert_allclose(hadamard.rotate_key(key, x, 2), y, rtol=1e-4, atol=1e-4)
+
+
 def test_eden_on_a_long_vector_keeps_its_inner_product():
     """``<x_hat, x> = ||x||^2`` through the blocked rotation with its signs drawn in the passes."""
     x = jax.random.normal(jax.random.key(10), (100_000,), jnp.float32)
