@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-peers proofs bench bench-net bench-e2e lint format figures readme-table docs clean
+.PHONY: test test-slow test-peers proofs bench bench-net bench-gpu bench-e2e lint format figures readme-table docs clean
 
 # Python writes the bytecode of the modules it imports as it first imports them, rather than
 # pip compiling every installed module up front (half of a fresh install's 40 s).
@@ -56,6 +56,11 @@ proofs: $(STAMP)
 ## writes results/bench_net.{json,md,png}.  ARGS=--quick: 1 Gbit/s only.
 bench-net: $(STAMP)
 	$(PY) -m experiments.bench_net $(ARGS)
+
+## make bench-gpu: the codecs on an accelerator as a fraction of its memory bandwidth (run it on
+## a GPU; on a CPU it reports ratios to the copy only); writes results/bench_gpu.{json,md}.
+bench-gpu: $(STAMP)
+	$(PY) -m experiments.bench_gpu $(ARGS)
 
 ## make bench-e2e: time to a validation-loss target on the rate-limited loopback (as root);
 ## writes results/bench_e2e.{json,md,png}.  ARGS=--sweep: the learning-rate sweep and the

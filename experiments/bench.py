@@ -230,32 +230,12 @@ def bench_roofline(shapes, specs, repeats: int, bucket_size: int | None = None) 
     pieces and rebuilds the tree's leaves.
     """
     xs = random_tree(shapes)
-    layout = None if bucket_size is None else Buckets(xs, bucket_size)
-    keys = jax.random.split(jax.random.key(1), len(xs) if layout is None else len(layout.bounds))
-    copy = jax.jit(lambda xs: [x * 2.0 for x in xs])
+    keys, copy = codec_keys(xs, bucket_size), jax.jit(lambda xs: [x * 2.0 for x in xs])
     out = {"shapes": [list(s) for s in shapes], "entries": sum(math.prod(s) for s in shapes)}
     out["bucket_size"] = bucket_size
     out["compressors"] = {}
     for spec in specs:
-        comp = make_compressor(spec)
-        if layout is None:
-            enc = jax.jit(
-                lambda keys, xs, comp=comp: [
-                    comp.compress(k, x) for k, x in zip(keys, xs, strict=True)
-                ]
-            )
-            dec = jax.jit(lambda ps, comp=comp: [comp.decompress(p) for p in ps])
-        else:
-            enc = jax.jit(
-                lambda keys, xs, comp=comp: [
-                    comp.compress_pieces(k, x) for k, x in zip(keys, layout.pieces(xs), strict=True)
-                ]
-            )
-            dec = jax.jit(
-                lambda ps, comp=comp: layout.rebuild(
-                    [comp.decompress_pieces(p, layout.sizes(b)) for b, p in enumerate(ps)]
-                )
-            )
+        enc, dec = codec_calls(make_compressor(spec), xs, bucket_size)
         payloads = jax.block_until_ready(enc(keys, xs))
         faults: dict = {}
         times = interleaved(
@@ -283,6 +263,36 @@ def bench_roofline(shapes, specs, repeats: int, bucket_size: int | None = None) 
         }
         print(f"  {spec:34s} {median(rounds):5.2f}x the copy", flush=True)
     return out
+
+
+def codec_keys(xs: list[jax.Array], bucket_size: int | None = None) -> jax.Array:
+    """One key per message: per leaf, or per bucket of ``bucket_size`` entries."""
+    n = len(xs) if bucket_size is None else len(Buckets(xs, bucket_size).bounds)
+    return jax.random.split(jax.random.key(1), n)
+
+
+def codec_calls(comp: compjax.Compressor, xs: list[jax.Array], bucket_size: int | None = None):
+    """The jitted ``compress(keys, xs)`` and ``decompress(payloads)`` of a list of leaves.
+
+    Leaf by leaf, or with ``bucket_size`` bucket by bucket
+    (:class:`compjax.transforms.buckets.Buckets`): each bucket encoded from its
+    pieces of leaves, decoded into them, and the leaves rebuilt.
+    """
+    if bucket_size is None:
+        enc = jax.jit(lambda keys, xs: [comp.compress(k, x) for k, x in zip(keys, xs, strict=True)])
+        return enc, jax.jit(lambda ps: [comp.decompress(p) for p in ps])
+    layout = Buckets(xs, bucket_size)
+    enc = jax.jit(
+        lambda keys, xs: [
+            comp.compress_pieces(k, x) for k, x in zip(keys, layout.pieces(xs), strict=True)
+        ]
+    )
+    dec = jax.jit(
+        lambda ps: layout.rebuild(
+            [comp.decompress_pieces(p, layout.sizes(b)) for b, p in enumerate(ps)]
+        )
+    )
+    return enc, dec
 
 
 def bench_hadamard(repeats: int) -> dict:
