@@ -107,6 +107,9 @@ def rows(res: dict) -> list[dict]:
             # An extrapolated row's seconds are themselves a product of steps and step time.
             known = run["kind"] == "measured" and seconds is not None and predicted is not None
             row["measured_over_predicted"] = seconds / predicted if known else None
+            # Its two factors: the steps over the simulation's (the sweep's seed), the rest the
+            # step time's.
+            row["steps_over_simulated"] = steps / sim_steps if known else None
             out.append(row)
     for row in out:
         for base in ("fp32", "bf16"):
@@ -205,6 +208,7 @@ _FIELDS = (
     "speedup_bf16",
     "predicted_s",
     "measured_over_predicted",
+    "steps_over_simulated",
     "final_validation",
 )
 
@@ -253,14 +257,17 @@ def goals(table: list[dict], res: dict) -> list[str]:
             f"GOAL DiLoCo/SparseLoCo >= {GOAL_LOCAL_STEPS}x bf16 at 0.1 Gbit/s: {verdict} "
             f"({method}, {got:.2f}x{spread})"
         )
-    ratios = [r["measured_over_predicted"] for r in table if r["kind"] == "measured"]
-    ratios = [x for x in ratios if x is not None]
-    if ratios:
-        worst = max(ratios, key=lambda x: abs(x - 1))
-        verdict = "MET" if abs(worst - 1) <= GOAL_PREDICTION else "MISSED"
+    judged = [r for r in table if r["measured_over_predicted"] is not None]
+    if judged:
+        worst = max(judged, key=lambda r: abs(r["measured_over_predicted"] - 1))
+        ratio, steps = worst["measured_over_predicted"], worst["steps_over_simulated"]
+        verdict = "MET" if abs(ratio - 1) <= GOAL_PREDICTION else "MISSED"
         lines.append(
             f"GOAL measured time to target within {GOAL_PREDICTION:.0%} of the prediction: "
-            f"{verdict} (worst measured/predicted {worst:.2f})"
+            f"{verdict} (worst measured/predicted {ratio:.2f}: {worst['method']} seed "
+            f"{worst['seed']} at {worst['rate']}, its steps {steps:.2f}x the simulation's "
+            f"(seed {res['sweep'].get('seed', 0)}), its time per step {ratio / steps:.2f}x "
+            "the prediction's)"
         )
     else:
         lines.append("GOAL measured time to target within 25% of the prediction: NOT RUN")
@@ -315,7 +322,9 @@ def markdown(res: dict, table: list[dict]) -> str:
         "step time measured at this rate (a synchronous method's trajectory does not depend on the "
         "link). Predicted: steps to target in simulation x the median step time (a local-steps "
         "method's: the median over its rounds of a round's mean step, the synchronisation "
-        "included; 1-bit Adam's warm-up steps at their own median).",
+        "included; 1-bit Adam's warm-up steps at their own median), for every seed from the "
+        "sweep's one seed; in brackets, the steps to target over the simulation's, the part of "
+        "measured/predicted that is not the step time.",
         "",
     ]
     body = []
@@ -325,7 +334,7 @@ def markdown(res: dict, table: list[dict]) -> str:
             "",
             "| method | kind | seeds reached | steps to target | seconds to target (spread) "
             "| x fp32 | x bf16 | Mbit/worker to target | predicted s | measured/predicted "
-            "| final validation |",
+            "(steps/simulated) | final validation |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in summary(table):
@@ -340,6 +349,7 @@ def markdown(res: dict, table: list[dict]) -> str:
                 f"| {_fmt(r['speedup_fp32'], '.2f')} | {_fmt(r['speedup_bf16'], '.2f')} "
                 f"| {_fmt(mbit, ',.0f')} | {_fmt(r['predicted_s'], '.1f')} "
                 f"| {_fmt(r['measured_over_predicted'], '.2f')} "
+                f"({_fmt(r['steps_over_simulated'], '.2f')}) "
                 f"| {_fmt(r['final_validation'], '.4f')} |"
             )
         body.append("")
