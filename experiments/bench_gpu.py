@@ -26,7 +26,7 @@ its error there against the Hadamard matrix, beside the times.
 
 Usage::
 
-    python -m experiments.bench_gpu                 # every section (a GPU: about 5 minutes)
+    python -m experiments.bench_gpu                 # every section (an H100: over 5 minutes)
     python -m experiments.bench_gpu --quick         # 2**16 entries, any backend (a smoke run)
     python -m experiments.bench_gpu --render results/bench_gpu.json   # the table again
 """
