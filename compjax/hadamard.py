@@ -279,7 +279,7 @@ def rotate_key(key, x: jax.Array, rounds: int = 1) -> jax.Array:
     if not _fuses_signs(key, x, rounds):
         return rotate(random_signs(key, x.shape[-1], rounds), x)
     draws = _sign_draws(key, x.shape[0], rounds)
-    if _on_accelerator():  # each round's flips fuse into its first product
+    if _on_accelerator():  # the flips are elementwise, drawn from the index: no sign array
         index = jax.lax.iota(jnp.uint32, x.shape[0])
         for draw in draws:
             x = fwht(_flip(x, draw(index)))
