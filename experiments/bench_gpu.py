@@ -13,7 +13,8 @@ sections are reported without a verdict, with their ratio to the copy (the
 CPU goals of ``make bench``, measured here on the accelerator).
 
 Timing: a round dispatches ``--batch`` calls back to back and waits for the
-last, so the host's dispatch overlaps the device's work (:func:`batched`);
+last, so the host's dispatch overlaps the device's work
+(:func:`experiments.bench.interleaved` with ``batch``);
 the figure is the median over ``--rounds`` rounds of the mean call,
 interleaved round by round with the copy.  A call's dispatch is still in it
 where the device's work is shorter: on an H100 the copy of ``2**24``
@@ -38,7 +39,6 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -109,26 +109,6 @@ def sections(quick: bool) -> dict[str, dict]:
     }
 
 
-def batched(fns: dict[str, Callable[[], object]], rounds: int, batch: int, warmup: int = 2):
-    """Seconds per call of each function: the mean of ``batch`` calls dispatched back to back.
-
-    Each function is called ``warmup`` times first (compilation); then each
-    round times ``batch`` calls of each function in turn, waiting for all of
-    their results at the end, so the host's dispatch of a call overlaps the
-    device's work on the one before.
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready([fn() for _ in range(batch)])
-            times[name].append((time.perf_counter() - t0) / batch)
-    return times
-
-
 def traffic(entries: int, payload_bytes: float) -> float:
     """The least bytes a codec moves: input and output once, its payload twice."""
     return 8.0 * entries + 2.0 * payload_bytes
@@ -144,21 +124,22 @@ def bench_section(section: dict, rounds: int, batch: int, peak: float | None) ->
     for spec, factory in section["codecs"].items():
         enc, dec = bench.codec_calls(factory(), xs, section["bucket_size"])
         payloads = jax.block_until_ready(enc(keys, xs))
-        times = batched(
+        times = bench.interleaved(
             {
                 "copy": partial(copy, xs),
                 "compress": partial(enc, keys, xs),
                 "decompress": partial(dec, payloads),
             },
             rounds,
-            batch,
+            batch=batch,
         )
         codec = [c + d for c, d in zip(times["compress"], times["decompress"], strict=True)]
         payload_bytes = sum(compjax.wire_bits(p) for p in payloads) / 8
         row = {
             "times": times,
-            "median_s": {k: bench.median(v) for k, v in times.items()} | {"codec": median(codec)},
-            "ratio": median(bench.ratios(codec, times["copy"])),
+            "median_s": {k: bench.median(v) for k, v in times.items()}
+            | {"codec": bench.median(codec)},
+            "ratio": bench.median(bench.ratios(codec, times["copy"])),
             "payload_bytes": payload_bytes,
             "traffic_bytes": traffic(entries, payload_bytes),
         }
@@ -190,10 +171,6 @@ def check_transform(log2: int = 12, rotated_log2: int = 24) -> dict:
         "rotation_roundtrip_max_abs_error": float(jnp.max(jnp.abs(rot(z) - z))),
         "accelerator_form": hadamard._on_accelerator(),
     }
-
-
-def median(xs) -> float:
-    return float(statistics.median(xs))
 
 
 def rows(res: dict) -> list[dict]:

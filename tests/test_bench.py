@@ -79,6 +79,10 @@ def test_interleaved_calls_every_function_in_rounds():
     )
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then round by round
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
+    # In batches: each round calls a function that many times, one time (the mean) recorded.
+    calls.clear()
+    times = bench.interleaved({"a": lambda: calls.append("a")}, repeats=2, warmup=0, batch=4)
+    assert calls == ["a"] * 8 and len(times["a"]) == 2
     assert bench.ratios([2.0, 6.0], [1.0, 2.0]) == [2.0, 3.0]
     assert bench.median([3.0, 1.0, 2.0]) == 2.0
 
