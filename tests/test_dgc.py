@@ -363,6 +363,30 @@ def test_blocked_selection_is_the_reference_selection(seed, kind, d, density, of
         assert int(n) == int(ref_n)
 
 
+# The sample's k-th largest by each of its three ways: a top-k (few values), a top-k of
+# the blocks with the largest maxima (few wanted of many), a bisection on the bits.
+KTH_CASES = [(100, 10), (6400, 3), (10000, 100)]
+
+
+@pytest.mark.parametrize(("m", "top"), KTH_CASES)
+def test_kth_largest_is_top_ks_on_one_device_and_under_shard_map(m, top):
+    """Equal to ``jax.lax.top_k(values, top)[0][-1]``, also under ``jax.shard_map`` with
+    values that differ between workers (the bisection's loop once kept its bounds as
+    constants, the same on every worker, and failed to trace there)."""
+    values = jnp.abs(jax.random.normal(jax.random.key(m), (2, m)))
+    want = [float(jax.lax.top_k(v, top)[0][-1]) for v in values]
+    assert [float(select_lib.kth_largest(v, top)) for v in values] == want
+    mesh = jax.make_mesh((2,), ("data",))
+    run = jax.shard_map(
+        lambda v: select_lib.kth_largest(v[0], top)[None],
+        mesh=mesh,
+        in_specs=jax.P("data"),
+        out_specs=jax.P("data"),
+    )
+    got = jax.jit(run)(jax.device_put(values, jax.NamedSharding(mesh, jax.P("data"))))
+    assert np.asarray(got).tolist() == want
+
+
 def test_blocked_selection_at_a_zero_threshold_keeps_every_entry_once():
     """k = 4000 of 5003: the capacity is d, so a threshold of 0 (mostly zeros) is accepted
     and every entry is selected, once, in order; the blocks' slots past the last entry

@@ -80,7 +80,10 @@ def kth_largest(values: jax.Array, top: int) -> jax.Array:
         return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
     inf = int(np.array(np.inf, np.float32).view(np.int32))
-    lo, _ = jax.lax.fori_loop(0, 31, halve, (jnp.int32(0), jnp.int32(inf + 1)))
+    # The bounds start from the values (as constants they would be the same on every
+    # worker under jax.shard_map, and the loop's carry would change type when they vary).
+    zero = jnp.zeros_like(bits[0])
+    lo, _ = jax.lax.fori_loop(0, 31, halve, (zero, zero + (inf + 1)))
     return jax.lax.bitcast_convert_type(lo, jnp.float32)
 
 
