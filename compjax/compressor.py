@@ -169,6 +169,10 @@ class Compressor:
     deterministic: ClassVar[bool] = False
     # Send values in the input dtype (identity, sparsifiers) instead of float32.
     keeps_dtype: ClassVar[bool] = False
+    # ``compress`` branches on the data (``lax.cond``), which ``jax.vmap`` would turn into
+    # running every branch: the exchanges compress several blocks of it one at a time
+    # (:func:`compjax.scatter.compress_blocks`).
+    branches: ClassVar[bool] = False
 
     @property
     def flat_barrier(self) -> bool:

@@ -242,6 +242,38 @@ def test_threshold_top_k_in_error_feedback_and_ef21_loses_nothing(exchange):
     assert np.count_nonzero(np.asarray(ef.error)) > 0  # something was held back
 
 
+def test_a_branching_compressors_blocks_keep_their_branches():
+    """Scatter-gather compresses a worker's blocks one at a time when the compressor branches
+    on its data (``branches``): the program keeps the threshold's conditionals (batched with
+    ``vmap``, each became both branches, the exact top-k fallback run on every block), with
+    the same payloads as compressing each block alone."""
+    from compjax import scatter
+
+    assert THRESHOLD_TOP_K.branches and not TOP_K.branches
+    assert compjax.chain(THRESHOLD_TOP_K, compjax.qsgd(levels=4)).branches
+    keys, blocks = jax.random.split(jax.random.key(3), N), normal(95, (N, 10))
+    run = jax.jit(lambda k, b: scatter.compress_blocks(THRESHOLD_TOP_K, k, b))
+    got = run(keys, blocks)
+    for i in range(N):
+        alone = THRESHOLD_TOP_K.compress(keys[i], blocks[i])
+        for name, wire in alone.wire.items():
+            np.testing.assert_array_equal(got.wire[name][i], wire)
+    jaxpr = str(jax.make_jaxpr(run)(keys, blocks))
+    batched = str(jax.make_jaxpr(jax.vmap(THRESHOLD_TOP_K.compress))(keys, blocks))
+    assert " cond[" in jaxpr and " cond[" not in batched
+
+
+def test_threshold_top_k_scatter_gather_under_shard_map_is_the_simulation():
+    tx = compjax.error_feedback(THRESHOLD_TOP_K, "data", exchange="scatter_gather")
+    xs = [normal(90 + t, (N, D)) for t in range(2)]
+    outs, _ = _shard_map_run(tx, xs, jax.make_mesh((N,), ("data",)), "data")
+    init, update = vmapped(tx, ("data",))
+    simulated = init(xs[0])
+    for x, got in zip(xs, outs, strict=True):
+        out, simulated = update(x, simulated)
+        np.testing.assert_allclose(got, out[0], rtol=1e-6, atol=1e-7)
+
+
 def _shard_map_run(tx, xs, mesh, axes):
     params = jnp.zeros(D)
     specs = compjax.state_specs(jax.eval_shape(tx.init, params), axes)

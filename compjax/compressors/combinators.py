@@ -47,6 +47,10 @@ class Blockwise(Compressor):
     def deterministic(self):  # type: ignore[override]
         return self.inner.deterministic
 
+    @property
+    def branches(self):  # type: ignore[override]
+        return self.inner.branches
+
     def _sizes(self, d: int) -> tuple[int, int]:
         full = d // self.block_size
         return full, d - full * self.block_size
@@ -115,6 +119,10 @@ class Chain(Compressor):
     def deterministic(self):  # type: ignore[override]
         return self.sparsifier.deterministic and self.quantizer.deterministic
 
+    @property
+    def branches(self):  # type: ignore[override]
+        return self.sparsifier.branches or self.quantizer.branches
+
     def compress(self, key, x):
         key_sparse, key_quant = split_key(key)
         sparse = self.sparsifier.compress(key_sparse, x)
@@ -172,6 +180,10 @@ class Scaled(Compressor):
     @property
     def deterministic(self):  # type: ignore[override]
         return self.inner.deterministic
+
+    @property
+    def branches(self):  # type: ignore[override]
+        return self.inner.branches
 
     def compress(self, key, x):
         return self.inner.compress(key, x)

@@ -145,6 +145,11 @@ class TopK(Sparsifier):
     max_adaptation_iters: int = 10
     deterministic: ClassVar[bool] = True
 
+    @property
+    def branches(self):  # type: ignore[override]
+        # The threshold's accept test and its NaN guard are conditionals.
+        return self.select == "threshold"
+
     def _threshold(self, d: int) -> bool:
         # An empty input has nothing to select; with k = d every entry is kept.
         return self.select == "threshold" and 0 < self.k_for(d) < d
