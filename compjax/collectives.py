@@ -114,6 +114,35 @@ def psum(tree, axis_name: AxisName):
     return jax.tree.map(lambda x: jax.lax.psum(x, names), tree)
 
 
+def psum_together(arrays: list[jax.Array], axis_name: AxisName) -> list[jax.Array]:
+    """:func:`psum` of every array, as one all-reduce where they can share one.
+
+    Arrays of one dtype that vary over the same mesh axes are raveled,
+    concatenated, summed in one collective and split back to their shapes
+    (one message instead of one per array: each collective pays a round trip,
+    which for many small arrays costs more than their bytes).  Arrays of
+    different dtypes or variation go in separate messages (joining them would
+    change a value's type under ``shard_map``).  Each entry's sum is that of
+    its own array; only the order of the additions inside the collective may
+    differ.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, a in enumerate(arrays):
+        groups.setdefault((jnp.dtype(a.dtype), frozenset(_varying(a))), []).append(i)
+    out: list[jax.Array | None] = [None] * len(arrays)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = psum(arrays[members[0]], axis_name)
+            continue
+        parts = [arrays[i] for i in members]
+        total = psum(jnp.concatenate([a.reshape(-1) for a in parts]), axis_name)
+        at = 0
+        for i, a in zip(members, parts, strict=True):
+            out[i] = total[at : at + a.size].reshape(a.shape)
+            at += a.size
+    return out
+
+
 def pmax(tree, axis_name: AxisName):
     names = _bound_names(axis_name)
     return jax.tree.map(lambda x: jax.lax.pmax(x, names), tree)

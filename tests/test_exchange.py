@@ -242,6 +242,30 @@ def test_threshold_top_k_in_error_feedback_and_ef21_loses_nothing(exchange):
     assert np.count_nonzero(np.asarray(ef.error)) > 0  # something was held back
 
 
+def test_psum_together_sums_each_array_in_one_message_per_dtype_and_variation():
+    """Under shard_map: float32 arrays replicated over the model axis in one message, the
+    one that varies over it in another, the int32 one in a third; each its own sum, in
+    its own dtype and shape."""
+    from compjax import collectives
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+
+    def f(x):
+        w = jax.lax.axis_index("data").astype(jnp.float32)
+        arrays = [w * jnp.ones((2, 3)), w + jnp.arange(5.0), x[0], jnp.int32(2) * (w > 0)]
+        sums = collectives.psum_together(arrays, "data")
+        return tuple(s[None] for s in sums)
+
+    specs = (P("model"),) * 4
+    run = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("model"), out_specs=specs))
+    x = jax.device_put(jnp.arange(2.0 * 7).reshape(2, 7), NamedSharding(mesh, P("model")))
+    ones, ramp, mine, ints = (np.asarray(a) for a in run(x))
+    np.testing.assert_array_equal(ones[0], np.full((2, 3), 6.0))  # 0 + 1 + 2 + 3
+    np.testing.assert_array_equal(ramp[0], 6.0 + 4 * np.arange(5.0))
+    np.testing.assert_array_equal(mine, 4 * np.arange(14.0).reshape(2, 7))
+    assert ints.dtype == jnp.int32 and np.asarray(ints).tolist() == [6, 6]
+
+
 def test_a_branching_compressors_blocks_keep_their_branches():
     """Scatter-gather compresses a worker's blocks one at a time when the compressor branches
     on its data (``branches``): the program keeps the threshold's conditionals (batched with

@@ -132,6 +132,30 @@ def test_shared_initial_q_is_orthonormal():
             np.testing.assert_allclose(m.T @ m, np.eye(m.shape[1]), atol=1e-5)
 
 
+def test_every_matrixs_factors_travel_together():
+    """The compiled step's all-reduces, outside the branches taken only on overflow: the
+    uncompressed leaves, every ``P`` and every ``Q`` (each in one message) and the
+    finiteness flag, whatever the number of matrices.  Sent matrix by matrix, each ``Q``
+    waited for its ``P`` and the next ``P`` for it: 2 round trips per matrix."""
+    params = {**PARAMS, "v": jnp.zeros((10, 6)), "u": jnp.zeros((6, 14))}  # 4 matrices
+    tx = compjax.powersgd(2, "data")
+    mesh = jax.make_mesh((8,), ("data",))
+    specs = compjax.state_specs(jax.eval_shape(tx.init, params), "data")
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    state = jax.eval_shape(init, params)
+    step = jax.shard_map(tx.update, mesh=mesh, in_specs=(P("data"), specs), out_specs=(P(), specs))
+    grads = {
+        k: jax.ShapeDtypeStruct(
+            (8 * v.shape[0], *v.shape[1:]), v.dtype, sharding=NamedSharding(mesh, P("data"))
+        )
+        for k, v in params.items()
+    }
+    hlo = jax.jit(step).lower(grads, state).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    assert 2 <= entry.count(" all-reduce(") <= 4  # dense and P (XLA may join them), Q, flag
+
+
 def test_bits_per_worker():
     report = compjax.communication(compjax.powersgd(2, "data"), PARAMS, num_workers=2)
     expect = 32 * 2 * (16 + 12) + 32 * 2 * (18 + 8) + 32 * 12 + 8  # P and Q, dense b, flag

@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, num_workers, pmax, psum, record, unrecorded
+from compjax.collectives import (
+    AxisName,
+    num_workers,
+    pmax,
+    psum,
+    psum_together,
+    record,
+    unrecorded,
+)
 from compjax.numerics import exponent, ldexp, mean_of_sum, to_dtype, unit_scale
 from compjax.transforms.base import (
     Leaves,
@@ -199,22 +207,35 @@ def powersgd(
         error = leaves.worker_state(state_zeros(state_dtype))
         return PowerSGDState(count=jnp.zeros([], jnp.int32), error=error, q=q)
 
-    def dense_mean(g, n):
-        g32 = g.astype(jnp.float32)
-        record("dense", g32, "all_reduce", axis_name)
-        resum = lambda s: psum(g32 if s == 1.0 else g32 * s, axis_name)  # noqa: E731
-        return mean_of_sum(resum(1.0), resum, n).astype(g.dtype)  # no overflow near the maximum
+    def dense_means(gs, n):
+        """The mean over workers of each leaf sent uncompressed, in one message."""
+        g32s = [g.astype(jnp.float32) for g in gs]
+        if not g32s:
+            return []
+        record("dense", tuple(g32s), "all_reduce", axis_name)
+        totals = psum_together(g32s, axis_name)
+        return [
+            # no overflow near the maximum: a sum that overflowed is taken again, scaled
+            mean_of_sum(total, lambda s, g=g: psum(g * s, axis_name), n).astype(gs[i].dtype)
+            for i, (g, total) in enumerate(zip(g32s, totals, strict=True))
+        ]
 
     def factors(m, q, n):
         """``P`` (orthonormal), the mean ``Q`` of ``m``, and whether their sums were finite."""
-        p = (m @ q).astype(jnp.float32)  # P and Q travel in float32 whatever e's dtype
-        record("P", p, "all_reduce", axis_name)
-        total_p = psum(p, axis_name)
-        p = orthogonalize(total_p, orthogonalization_epsilon)
-        q_new = (m.T @ p).astype(jnp.float32)
-        record("Q", q_new, "all_reduce", axis_name)
-        total_q = psum(q_new, axis_name)
-        return p, total_q / n, all_finite([total_p, total_q])
+        (p,), (q_mean,), (finite,) = factors_together([m], [q], n)
+        return p, q_mean, finite
+
+    def factors_together(ms, qs, n):
+        """:func:`factors` of every matrix, each factor's sums in one message for all."""
+        ps = [(m @ q).astype(jnp.float32) for m, q in zip(ms, qs, strict=True)]
+        record("P", tuple(ps), "all_reduce", axis_name)  # P and Q travel in float32
+        totals_p = psum_together(ps, axis_name)
+        ps = [orthogonalize(t, orthogonalization_epsilon) for t in totals_p]
+        q_news = [(m.T @ p).astype(jnp.float32) for m, p in zip(ms, ps, strict=True)]
+        record("Q", tuple(q_news), "all_reduce", axis_name)
+        totals_q = psum_together(q_news, axis_name)
+        finite = [all_finite([tp, tq]) for tp, tq in zip(totals_p, totals_q, strict=True)]
+        return ps, [t / n for t in totals_q], finite
 
     def rescaled(m, q, n):
         """:func:`factors` of ``M 2**-a`` and ``Q`` scaled into ``[1, 2)`` (exact scalings,
@@ -227,10 +248,8 @@ def powersgd(
         p, q_scaled, _ = factors(ldexp(m, -a), _unit(q)[1], n)
         return p, q_scaled, a
 
-    def low_rank(g, e, q, n):
-        rows, cols = matrix_view(g.shape, channels_last)
-        m = g.reshape(rows, cols).astype(jnp.float32) + e.reshape(rows, cols)
-        p, q_new, finite = factors(m, q, n)
+    def low_rank(g, m, q, p, q_new, finite, n):
+        """The update and residual of one leaf from its factors (their sums already taken)."""
         # Where the sums overflowed float32 (gradients near its largest value, or a
         # warm-started Q as large as them), again on scaled M and Q, on such steps only.
         # The mean Q is kept scaled: the warm start uses only its direction.
@@ -246,25 +265,32 @@ def powersgd(
         top = float(jnp.finfo(jnp.float32).max)
         approx = to_dtype(jnp.clip(ldexp(p @ q_new.T, a), -top, top), g.dtype)
         residual = (m - approx) if error_feedback else jnp.zeros_like(m)
-        return approx.reshape(g.shape), residual.reshape(e.shape), q_new
+        return approx.reshape(g.shape), residual, q_new
 
     def compressed_step(arrays, errors, qs, n):
-        out, new_errors, new_qs = [], [], []
-        for g, e, q in zip(arrays, errors, qs, strict=True):
-            if q is None:
-                out.append(dense_mean(g, n))
-                new_errors.append(e)
-                new_qs.append(q)
-            else:
-                o, e_new, q_new = low_rank(g, e, q, n)
-                out.append(o)
-                new_errors.append(e_new.astype(e.dtype))
-                new_qs.append(q_new)
+        """Every leaf's update: the uncompressed leaves' means in one message, then every
+        matrix's ``P`` in one and its ``Q`` in one (as ``powerSGD_hook`` packs them)."""
+        out, new_errors, new_qs = list(arrays), list(errors), list(qs)
+        dense = [i for i, q in enumerate(qs) if q is None]
+        for i, mean in zip(dense, dense_means([arrays[i] for i in dense], n), strict=True):
+            out[i] = mean
+        low = [i for i, q in enumerate(qs) if q is not None]
+        ms = []
+        for i in low:
+            rows, cols = matrix_view(arrays[i].shape, channels_last)
+            m = arrays[i].reshape(rows, cols).astype(jnp.float32)
+            ms.append(m + errors[i].reshape(rows, cols))
+        ps, q_means, finite = factors_together(ms, [qs[i] for i in low], n)
+        for j, i in enumerate(low):
+            o, residual, q_new = low_rank(arrays[i], ms[j], qs[i], ps[j], q_means[j], finite[j], n)
+            out[i] = o
+            new_errors[i] = residual.reshape(errors[i].shape).astype(errors[i].dtype)
+            new_qs[i] = q_new
         return out, new_errors, tuple(new_qs)
 
     def warmup_step(arrays, errors, qs, n):
         with unrecorded():
-            return [dense_mean(g, n) for g in arrays], list(errors), tuple(qs)
+            return dense_means(arrays, n), list(errors), tuple(qs)
 
     def update_fn(updates, state, params=None):
         leaves = Leaves(updates, flatten=False)
