@@ -4,13 +4,14 @@ Every figure is a ratio against a baseline timed in the same run, interleaved
 with it round by round (so a machine that slows down slows both), and
 reported as the median over the rounds after warm-up calls:
 
-* **roofline**: each compressor's (:data:`CODECS`, one line each) ``compress`` plus
-  ``decompress`` (two jitted calls; the payload is materialised as it would be
-  on the wire) on a ``2**24``-entry float32 gradient and on a ResNet-50-like
-  tree (161 leaves, 25.6M parameters), against a jitted ``x * 2`` of the same
-  arrays (one read and one write of each); and on the same tree cut into
-  ``2**22``-entry buckets (``bucket_size=``: each bucket encoded from its
-  pieces of leaves, decoded into them).
+* **roofline**: each compressor's (:data:`experiments.bench_codecs.CODECS`,
+  one line each) ``compress`` plus ``decompress`` (two jitted calls; the
+  payload is materialised as it would be on the wire) on a ``2**24``-entry
+  float32 gradient and on a ResNet-50-like tree (161 leaves, 25.6M
+  parameters), against a jitted ``x * 2`` of the same arrays (one read and
+  one write of each); and on the same tree cut into ``2**22``-entry buckets
+  (``bucket_size=``: each bucket encoded from its pieces of leaves, decoded
+  into them).
   Elementwise compressors are held to 2x the copy everywhere; EDEN (1 bit) to
   3x on ``2**24`` entries; the other rotation-based ones (EDEN 2 and 4 bits,
   DRIVE) and EDEN on the tree are reported without a goal;
@@ -29,9 +30,11 @@ reported as the median over the rounds after warm-up calls:
 * **memory**: XLA's compiled memory analysis of ``compress`` and
   ``decompress`` (temporaries plus outputs) over the input's bytes.
 
-Writes ``results/bench.json`` (every raw time, the medians, machine and
-library versions, thread counts, load averages) and ``results/bench.md`` (the
-table with each goal, MET or MISSED), and prints the table.
+The codecs, sizes and goals are :mod:`experiments.bench_codecs`; the verdicts
+and tables :mod:`experiments.bench_report`.  Writes ``results/bench.json``
+(every raw time, the medians, machine and library versions, thread counts,
+load averages) and ``results/bench.md`` (the table with each goal, MET or
+MISSED), and prints the table.
 
 Usage::
 
@@ -70,103 +73,22 @@ import compjax
 from compjax import hadamard
 from compjax.compressors import selection as dgc_select
 from compjax.transforms.buckets import Buckets
-from experiments import methods
-
-N = 2**24
-#: Bucket size of the bucketed ResNet-50 roofline (25.6M entries: 7 buckets).
-BUCKET_LOG2 = 22
-#: Goals of the benchmark (never loosened here; a miss is reported with its ratio).
-ROOFLINE_GOAL = 2.0
-EDEN_GOAL = 3.0
-TORCH_GOAL = 1.0
-TOPK_SPEEDUP_GOAL = 5.0
-TOPK_CODEC_GOAL = 3.0
-#: Density of error feedback's top-k codec row (``compjax.top_k(ratio=0.01)``).
-EF_TOPK_RATIO = 0.01
-STEP_GOAL = 1.25
-DGC_RATIO = 0.001
-POWERSGD_RANK = 4
-MLP_WIDTHS = (784, 1024, 1024, 10)
-MLP_BATCH_PER_WORKER = 64
-STEP_WORKERS = 8
-#: XLA flag that turns off its YNNPACK fusions (a diagnostic run of the step only).
-NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
-
-#: The roofline sections (compress + decompress against the copy).
-ROOFLINE_PARTS = ("roofline", "roofline_tree", "roofline_buckets")
-#: Where an elementwise compressor runs: every roofline, the memory analysis, the MLP step.
-ELEMENTWISE_PARTS = (*ROOFLINE_PARTS, "memory", "step")
-#: Where a rotation-based one runs (its time grows with log d: no buckets, no step).
-ROTATION_PARTS = ("roofline", "roofline_tree", "memory")
-
-
-@dataclasses.dataclass(frozen=True)
-class Codec:
-    """One benchmarked compressor: its spec (the harness's parser), where it runs, its goal.
-
-    ``goal`` is the most compress + decompress may take, in copies, on the
-    sections of ``goal_on``; elsewhere (or with ``goal=None``) its ratio is
-    reported without a verdict.  ``torch``: :mod:`experiments.bench_torch`
-    has a plain PyTorch version to compare with.
-    """
-
-    spec: str
-    parts: tuple[str, ...] = ELEMENTWISE_PARTS
-    goal: float | None = ROOFLINE_GOAL
-    goal_on: tuple[str, ...] = ROOFLINE_PARTS
-    torch: bool = False
-
-
-#: Every benchmarked compressor, one line each (a new codec joins ``make bench`` here).
-CODECS = (
-    Codec("sign()", torch=True),
-    Codec("scaled_sign()", torch=True),
-    Codec("terngrad()", torch=True),
-    Codec("qsgd(levels=4)", torch=True),
-    Codec("qsgd(levels=4, bucket_size=512)", torch=True),
-    Codec("natural()", torch=True),
-    Codec("cast('float16')", torch=True),
-    Codec("cast('bfloat16')", torch=True),
-    Codec("natural_dithering()"),
-    Codec("l2_scaled_sign()"),
-    Codec("int_quant(bits=4)"),
-    Codec("eden(bits=1)", ROTATION_PARTS, goal=EDEN_GOAL, goal_on=("roofline",)),
-    Codec("eden(bits=2)", ROTATION_PARTS, goal=None),
-    Codec("eden(bits=4)", ROTATION_PARTS, goal=None),
-    Codec("drive()", ROTATION_PARTS, goal=None),
+from experiments import bench_report, methods
+from experiments.bench_codecs import (
+    BUCKET_LOG2,
+    CODECS,
+    DGC_RATIO,
+    EF_TOPK_RATIO,
+    HADAMARD_ROUNDS,
+    MLP_BATCH_PER_WORKER,
+    MLP_WIDTHS,
+    NO_YNN,
+    POWERSGD_RANK,
+    STEP_WORKERS,
+    N,
+    resnet50_shapes,
+    specs,
 )
-CODEC = {c.spec: c for c in CODECS}
-
-
-def specs(part: str) -> tuple[str, ...]:
-    """The specs of the codecs that run in ``part`` (``"torch"``: those with a PyTorch twin)."""
-    return tuple(c.spec for c in CODECS if (c.torch if part == "torch" else part in c.parts))
-
-
-#: Rounds of the randomized Hadamard rotation the Hadamard row times (EDEN's default).
-HADAMARD_ROUNDS = 3
-
-
-# -- shapes ---------------------------------------------------------------------------------
-def resnet50_shapes() -> list[tuple[int, ...]]:
-    """Parameter shapes of ResNet-50 (torchvision layout, OIHW kernels; 25,557,032 entries).
-
-    The stem, 16 bottleneck blocks (``[3, 4, 6, 3]`` at widths 64..512,
-    expansion 4, a projection on the first block of each stage), a batch-norm
-    scale and shift after every convolution, and the 1000-way classifier.
-    """
-    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
-    channels = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        out = 4 * width
-        for block in range(blocks):
-            shapes += [(width, channels, 1, 1), (width,), (width,)]
-            shapes += [(width, width, 3, 3), (width,), (width,)]
-            shapes += [(out, width, 1, 1), (out,), (out,)]
-            if block == 0:
-                shapes += [(out, channels, 1, 1), (out,), (out,)]
-            channels = out
-    return [*shapes, (1000, 2048), (1000,)]
 
 
 # -- timing ----------------------------------------------------------------------------------
@@ -644,303 +566,6 @@ def load_average() -> list[float] | None:
         return None
 
 
-# -- goals and the table ---------------------------------------------------------------------------
-def verdict(ok: bool) -> str:
-    return "MET" if ok else "MISSED"
-
-
-def roofline_rows(res: dict) -> list[dict]:
-    """A row per compressor and roofline section; ``goal`` None where it has none there."""
-    rows = []
-    for label, key in (
-        ("2^24 fp32", "roofline"),
-        ("ResNet-50 tree", "roofline_tree"),
-        (f"ResNet-50 tree in buckets of 2^{BUCKET_LOG2}", "roofline_buckets"),
-    ):
-        sec = res.get(key, {})
-        for spec, r in sec.get("compressors", {}).items():
-            codec = CODEC.get(spec, Codec(spec))
-            goal = codec.goal if key in codec.goal_on else None
-            med = r["median_s"]
-            per_entry = 1e9 * med["copy"] / sec["entries"]
-            note = (
-                f"compress {r['compress_ratio']:.2f}x + decompress {r['decompress_ratio']:.2f}x; "
-                f"copy {per_entry:.2f} ns/entry, "
-                f"{r['page_faults_per_call']['copy']:.0f} page faults per copy"
-            )
-            rows.append(
-                {
-                    "group": "roofline",
-                    "what": f"`{spec}` compress+decompress, {label}",
-                    "time": f"{1e3 * (med['compress'] + med['decompress']):.1f} ms",
-                    "baseline": f"copy {1e3 * r['median_s']['copy']:.1f} ms",
-                    "ratio": r["ratio"],
-                    "goal": None if goal is None else f"<= {goal:g}x",
-                    "met": None if goal is None else r["ratio"] <= goal,
-                    "note": note,
-                }
-            )
-    return rows
-
-
-def topk_codec_rows(res: dict) -> list[dict]:
-    """The top-k codecs against the copy: EF top-k 1% with a goal, SparseLoCo's without."""
-    rows = []
-    tc = res.get("topk_codec")
-    if not tc:
-        return rows
-    for name in tc["ratio"]:
-        ratio = tc["ratio"][name]
-        chunked = name.startswith("chunked")
-        kept = tc["kept"][name]
-        rows.append(
-            {
-                "group": "top-k",
-                "what": f"{'SparseLoCo' if chunked else 'EF top-k 1%'} codec, {name}, "
-                f"{tc['d']:,} entries",
-                "time": f"{1e3 * tc['median_s'][name]:.1f} ms",
-                "baseline": f"copy {1e3 * tc['median_s']['copy']:.1f} ms",
-                "ratio": ratio,
-                "goal": None if chunked else f"<= {TOPK_CODEC_GOAL:g}x",
-                "met": None if chunked else ratio <= TOPK_CODEC_GOAL,
-                "note": "compress + decompress"
-                + (
-                    f"; kept {kept:,} in [{tc['band'][0]:,}, {tc['band'][1]:,}]"
-                    if name.startswith("threshold")
-                    else ""
-                ),
-            }
-        )
-    return rows
-
-
-def reported_rows(res: dict) -> list[dict]:
-    """Ratios against the copy with no goal: the Hadamard transform, codecs without one."""
-    rows = [r for r in roofline_rows(res) if r["goal"] is None]
-    rows += [r for r in topk_codec_rows(res) if r["goal"] is None]
-    had = res.get("hadamard")
-    if had:
-        med = had["median_s"]
-        for name, what in (
-            ("fwht", "`hadamard.fwht` (forward transform)"),
-            ("rotate", f"EDEN's rotation, {had['rounds']} rounds with signs from the key"),
-        ):
-            rows.append(
-                {
-                    "group": "hadamard",
-                    "what": f"{what}, 2^24 fp32",
-                    "time": f"{1e3 * med[name]:.1f} ms",
-                    "baseline": f"copy {1e3 * med['copy']:.1f} ms",
-                    "ratio": had[f"{name}_ratio"],
-                    "note": f"{had['page_faults_per_call'][name]:.0f} page faults per call, "
-                    f"{had['page_faults_per_call']['copy']:.0f} per copy",
-                }
-            )
-    return rows
-
-
-def goal_rows(res: dict) -> list[dict]:
-    rows = [r for r in roofline_rows(res) if r["goal"] is not None]
-    for label, key, jkey in (
-        ("2^24 fp32", "torch", "roofline"),
-        ("ResNet-50 tree", "torch_tree", "roofline_tree"),
-    ):
-        sec, jsec = res.get(key) or {}, res.get(jkey, {})
-        if "error" in sec:
-            rows.append(
-                {
-                    "group": "pytorch",
-                    "what": f"compressors vs PyTorch, {label}",
-                    "time": "-",
-                    "baseline": "-",
-                    "ratio": float("nan"),
-                    "goal": f"< {TORCH_GOAL:g}x",
-                    "met": False,
-                    "note": sec["error"],
-                }
-            )
-            continue
-        for spec, t in sec.get("compressors", {}).items():
-            j = jsec["compressors"][spec]["median_s"]
-            jf = jsec["compressors"][spec]["page_faults_per_call"]
-            ours = j["compress"] + j["decompress"]
-            ratio = ours / t["median_s"]
-            tc = t["times"]
-            rows.append(
-                {
-                    "group": "pytorch",
-                    "what": f"`{spec}` vs PyTorch, {label}",
-                    "time": f"{1e3 * ours:.1f} ms",
-                    "baseline": f"PyTorch {1e3 * t['median_s']:.1f} ms",
-                    "ratio": ratio,
-                    "goal": f"< {TORCH_GOAL:g}x",
-                    "met": ratio < TORCH_GOAL,
-                    "note": (
-                        f"PyTorch compress {1e3 * median(tc['compress']):.1f} ms + "
-                        f"decompress {1e3 * median(tc['decompress']):.1f} ms, its copy "
-                        f"{1e3 * median(sec['copy']):.1f} ms; page faults per compress+"
-                        f"decompress: PyTorch {t['page_faults_per_call']:.0f}, compjax "
-                        f"{jf['compress'] + jf['decompress']:.0f}"
-                    ),
-                }
-            )
-    ps = res.get("powersgd", {})
-    if "jax" in ps and "torch" in ps and "error" not in ps["jax"] and "error" not in ps["torch"]:
-        ratio = ps["jax"]["median_s"] / ps["torch"]["median_s"]
-        rows.append(
-            {
-                "group": "pytorch",
-                "what": f"`powersgd(rank={POWERSGD_RANK})` step vs DDP `powerSGD_hook`, "
-                "ResNet-50 tree, 2 workers",
-                "time": f"{1e3 * ps['jax']['median_s']:.1f} ms",
-                "baseline": f"hook {1e3 * ps['torch']['median_s']:.1f} ms",
-                "ratio": ratio,
-                "goal": f"<= {TORCH_GOAL:g}x",
-                "met": ratio <= TORCH_GOAL,
-                "note": (
-                    f"PyTorch: 2 gloo processes x {ps['torch']['threads_per_process']} thread, "
-                    f"{ps['torch']['buckets']} DDP buckets, whole backward "
-                    f"{1e3 * median(ps['torch']['backward']):.1f} ms; compjax: 2 CPU devices"
-                ),
-            }
-        )
-    else:
-        rows.append(
-            {
-                "group": "pytorch",
-                "what": "`powersgd` vs DDP `powerSGD_hook`",
-                "time": "-",
-                "baseline": "-",
-                "ratio": float("nan"),
-                "goal": f"<= {TORCH_GOAL:g}x",
-                "met": False,
-                "note": "did not run: "
-                + str(ps.get("jax", {}).get("error") or ps.get("torch", {}).get("error"))[-300:],
-            }
-        )
-    tk = res.get("topk")
-    if tk:
-        k = tk["k"]
-        low, high = tk["band"]
-        rows.append(
-            {
-                "group": "top-k",
-                "what": f"DGC sampled threshold vs exact `lax.top_k`, k = {k} of 2^24",
-                "time": f"{1e3 * tk['median_s']['sampled']:.1f} ms",
-                "baseline": f"top_k {1e3 * tk['median_s']['exact']:.1f} ms",
-                "ratio": tk["speedup"],
-                "goal": f">= {TOPK_SPEEDUP_GOAL:g}x faster",
-                "met": tk["speedup"] >= TOPK_SPEEDUP_GOAL,
-                "note": "ratio is top_k time / sampled time",
-            }
-        )
-        in_band = [
-            low <= c <= high and not f for c, f in zip(tk["counts"], tk["fallbacks"], strict=True)
-        ]
-        rows.append(
-            {
-                "group": "top-k",
-                "what": f"DGC selected count in [0.8k, 1.3k] = [{low}, {high}]",
-                "time": f"{min(tk['counts'])}..{max(tk['counts'])}",
-                "baseline": f"k = {k}",
-                "ratio": max(tk["counts"]) / k,
-                "goal": "every offset in band",
-                "met": all(in_band),
-                "note": f"{len(tk['counts'])} sample offsets, "
-                f"{sum(tk['fallbacks'])} fell back to top-k",
-            }
-        )
-    rows += [r for r in topk_codec_rows(res) if r["goal"] is not None]
-    st = res.get("step", {})
-    if "error" in st:
-        rows.append(
-            {
-                "group": "step",
-                "what": "training-step overhead",
-                "time": "-",
-                "baseline": "-",
-                "ratio": float("nan"),
-                "goal": f"<= {STEP_GOAL:g}x",
-                "met": False,
-                "note": "did not run: " + st["error"][-300:],
-            }
-        )
-    no_ynn = res.get("step_no_ynn", {}).get("ratio", {})
-    for spec, ratio in st.get("ratio", {}).items():
-        diag = f"; {no_ynn[spec]:.2f}x with XLA's YNNPACK fusions off" if spec in no_ynn else ""
-        rows.append(
-            {
-                "group": "step",
-                "what": f"`compress({spec})` MLP step, {st['workers']} workers",
-                "time": f"{1e3 * st['median_s'][spec]:.1f} ms",
-                "baseline": f"pmean step {1e3 * st['median_s']['plain pmean']:.1f} ms",
-                "ratio": ratio,
-                "goal": f"<= {STEP_GOAL:g}x",
-                "met": ratio <= STEP_GOAL,
-                "note": f"MLP {'-'.join(map(str, st['widths']))}, "
-                f"{st['batch_per_worker']} examples/worker{diag}",
-            }
-        )
-    return rows
-
-
-def _cell(text) -> str:
-    """``text`` as one Markdown table cell: on one line, its pipes escaped (an error message
-    in a note would otherwise end the table)."""
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
-def markdown(res: dict, rows: list[dict]) -> str:
-    m = res["machine"]
-    lines = [
-        "# compjax benchmark",
-        "",
-        f"{m['cpu']}, {m['cpu_count']} cores; jax {m['jax']}, torch "
-        f"{(res.get('torch') or {}).get('machine', {}).get('torch', 'absent')}; "
-        f"medians of {res['config']['repeats']} interleaved rounds after 2 warm-up calls; "
-        f"load average {res.get('load_before')} before, {res.get('load_after')} after.",
-        "",
-        "| measurement | median time | baseline (same run) | ratio | goal | verdict | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ratio = "n/a" if math.isnan(r["ratio"]) else f"{r['ratio']:.2f}x"
-        mark = "MET" if r["met"] else f"MISSED ({ratio})"
-        lines.append(
-            f"| {_cell(r['what'])} | {r['time']} | {_cell(r['baseline'])} | {ratio} | {r['goal']} "
-            f"| {mark} | {_cell(r['note'])} |"
-        )
-    reported = reported_rows(res)
-    if reported:
-        lines += [
-            "",
-            "Measured against the copy in the same run, no goal:",
-            "",
-            "| measurement | median time | baseline (same run) | ratio | note |",
-            "|---|---|---|---|---|",
-        ]
-        for r in reported:
-            lines.append(
-                f"| {_cell(r['what'])} | {r['time']} | {_cell(r['baseline'])} | {r['ratio']:.2f}x "
-                f"| {_cell(r['note'])} |"
-            )
-    mem = res.get("memory")
-    if mem:
-        lines += [
-            "",
-            "Memory (XLA compiled memory analysis on 2^24 float32 entries: temporaries plus "
-            "outputs of the jitted call, over the input's bytes; the copy `x * 2` is 1.00):",
-            "",
-            "| compressor | compress | decompress |",
-            "|---|---|---|",
-        ]
-        for spec, r in mem["compressors"].items():
-            lines.append(f"| `{spec}` | {r['compress_ratio']:.3f} | {r['decompress_ratio']:.3f} |")
-    met = sum(r["met"] for r in rows)
-    lines += ["", f"{met} of {len(rows)} goals met."]
-    return "\n".join(lines) + "\n"
-
-
 # -- main ----------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -965,6 +590,7 @@ def main(argv=None) -> int:
         "machine": machine(),
         "config": {
             "repeats": repeats,
+            "quick": args.quick,
             "warmup": 2,
             "n": N,
             "codecs": [dataclasses.asdict(c) for c in CODECS],
@@ -1015,12 +641,12 @@ def main(argv=None) -> int:
     }
     res["load_after"] = load_average()
     res["seconds"] = time.perf_counter() - start
-    rows = goal_rows(res)
+    rows = bench_report.goal_rows(res)
     res["goals"] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(res, indent=1, default=float))
-    table = markdown(res, rows)
+    table = bench_report.markdown(res, rows)
     (out / "bench.md").write_text(table)
     print(table)
     print(f"wrote {out / 'bench.json'} and {out / 'bench.md'} in {res['seconds']:.0f} s")

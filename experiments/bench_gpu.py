@@ -48,7 +48,7 @@ import numpy as np
 
 import compjax
 from compjax import hadamard
-from experiments import bench
+from experiments import bench, bench_codecs
 
 #: Nominal memory bandwidth (bytes/s) by a substring of ``device_kind``, first match wins.
 #: NVIDIA's data sheets: H200 4.8 TB/s, H100 NVL 3.9, H100 SXM 3.35, H100 PCIe 2.0,
@@ -66,11 +66,11 @@ PEAK_BYTES_PER_S = (
 HBM_GOAL = 0.5
 #: The section the goal is judged on.
 GOAL_SECTION = "2^24"
-#: Error feedback's and SparseLoCo's selections, beside :data:`experiments.bench.CODECS`.
+#: Error feedback's and SparseLoCo's selections, beside :data:`experiments.bench_codecs.CODECS`.
 TOPK = {
-    "top_k(ratio=0.01)": partial(compjax.top_k, ratio=bench.EF_TOPK_RATIO),
+    "top_k(ratio=0.01)": partial(compjax.top_k, ratio=bench_codecs.EF_TOPK_RATIO),
     "top_k(ratio=0.01, select='threshold')": partial(
-        compjax.top_k, ratio=bench.EF_TOPK_RATIO, select="threshold"
+        compjax.top_k, ratio=bench_codecs.EF_TOPK_RATIO, select="threshold"
     ),
     "chunked_top_k(k=32, chunk=4096)": partial(compjax.chunked_top_k, k=32, chunk=4096),
 }
@@ -91,12 +91,12 @@ def sections(quick: bool) -> dict[str, dict]:
     output channels divided by 8, and ``2**16``-entry buckets.
     """
     log2 = 16 if quick else 24
-    every = {c.spec: partial(bench.make_compressor, c.spec) for c in bench.CODECS}
-    elementwise = {s: every[s] for s in bench.specs("roofline_buckets")}
-    tree = bench.resnet50_shapes()
+    every = {c.spec: partial(bench.make_compressor, c.spec) for c in bench_codecs.CODECS}
+    elementwise = {s: every[s] for s in bench_codecs.specs("roofline_buckets")}
+    tree = bench_codecs.resnet50_shapes()
     if quick:
         tree = [(max(1, s[0] // 8), *s[1:]) for s in tree]
-    bucket_log2 = 16 if quick else bench.BUCKET_LOG2
+    bucket_log2 = 16 if quick else bench_codecs.BUCKET_LOG2
     return {
         f"2^{log2}": {"shapes": [(2**log2,)], "bucket_size": None, "codecs": every | TOPK},
         f"2^{log2 + 2}": {"shapes": [(4 * 2**log2,)], "bucket_size": None, "codecs": every | TOPK},

@@ -7,18 +7,18 @@ import math
 
 import pytest
 
-from experiments import bench
+from experiments import bench, bench_codecs, bench_report
 
 
 def test_resnet50_tree_has_torchvision_parameter_count():
-    shapes = bench.resnet50_shapes()
+    shapes = bench_codecs.resnet50_shapes()
     assert sum(math.prod(s) for s in shapes) == 25_557_032  # torchvision resnet50
     assert len(shapes) == 161
     assert shapes[0] == (64, 3, 7, 7) and shapes[-2:] == [(1000, 2048), (1000,)]
 
 
 def test_every_benchmarked_spec_builds_its_compressor():
-    names = [type(bench.make_compressor(c.spec)).__name__ for c in bench.CODECS]
+    names = [type(bench.make_compressor(c.spec)).__name__ for c in bench_codecs.CODECS]
     assert names == [
         "Sign",
         "ScaledSign",
@@ -36,15 +36,15 @@ def test_every_benchmarked_spec_builds_its_compressor():
         "Drive",
         "Drive",
     ]
-    assert len(bench.CODEC) == len(bench.CODECS)  # one line each
+    assert len(bench_codecs.CODEC) == len(bench_codecs.CODECS)  # one line each
 
 
 def test_codec_table_decides_sections_and_goals():
     """A codec runs where its line says; EDEN's goal is 3x on 2^24 only."""
-    assert "eden(bits=1)" in bench.specs("roofline")
-    assert "eden(bits=1)" not in bench.specs("step") + bench.specs("roofline_buckets")
-    assert set(bench.specs("torch")) < set(bench.specs("step"))
-    assert "natural_dithering()" in bench.specs("step")
+    assert "eden(bits=1)" in bench_codecs.specs("roofline")
+    assert "eden(bits=1)" not in bench_codecs.specs("step") + bench_codecs.specs("roofline_buckets")
+    assert set(bench_codecs.specs("torch")) < set(bench_codecs.specs("step"))
+    assert "natural_dithering()" in bench_codecs.specs("step")
     res = {
         "roofline_tree": {
             "entries": 10,
@@ -62,12 +62,12 @@ def test_codec_table_decides_sections_and_goals():
             "page_faults_per_call": {"copy": 0.0, "fwht": 0.0, "rotate": 0.0},
         },
     }
-    goals = [r for r in bench.goal_rows(res) if r["group"] == "roofline"]
+    goals = [r for r in bench_report.goal_rows(res) if r["group"] == "roofline"]
     assert [(r["what"].split()[0], r["goal"], r["met"]) for r in goals] == [
         ("`eden(bits=1)`", "<= 3x", True),
         ("`sign()`", "<= 2x", True),
     ]
-    reported = bench.reported_rows(res)
+    reported = bench_report.reported_rows(res)
     assert [r["group"] for r in reported] == ["roofline", "hadamard", "hadamard"]
     assert reported[0]["ratio"] == 4.0  # EDEN on the tree: no goal there
 
@@ -103,7 +103,7 @@ def _result(copy, compress, decompress, sampled, exact, step, plain, counts):
     return {
         "machine": {"cpu": "cpu", "cpu_count": 2, "jax": "x"},
         "config": {"repeats": 3},
-        "roofline": {"entries": bench.N, "compressors": {"sign()": comp}},
+        "roofline": {"entries": bench_codecs.N, "compressors": {"sign()": comp}},
         "torch": {"error": "torch not importable"},
         "powersgd": {"jax": {"error": "no"}, "torch": {"error": "no"}},
         "topk": {
@@ -154,7 +154,7 @@ def test_goals_are_met_exactly_up_to_their_bounds(scale):
         plain=1.0,
         counts=[13422, 21810] if scale == 1.0 else [13421, 16777],
     )
-    rows = bench.goal_rows(res)
+    rows = bench_report.goal_rows(res)
     by_group = {}
     for r in rows:
         by_group.setdefault(r["group"], []).append(r["met"])
@@ -163,7 +163,7 @@ def test_goals_are_met_exactly_up_to_their_bounds(scale):
     assert by_group["top-k"] == [scale == 1.0, scale == 1.0, False, scale == 1.0]
     assert by_group["step"] == [scale == 1.0]
     assert by_group["pytorch"] == [False, False]  # did not run: never counted as met
-    table = bench.markdown(res, rows)
+    table = bench_report.markdown(res, rows)
     if scale != 1.0:
         assert "MISSED (2.20x)" in table  # the roofline ratio
     # The header and one line per goal; then the header and SparseLoCo's codec, no goal.
@@ -175,10 +175,29 @@ def test_a_multi_line_error_note_stays_in_its_table_row():
     """A section that did not run (PyTorch absent) has a traceback for a note: one row still."""
     res = _result(1.0, 1.0, 1.0, 1.0, 5.0, 1.25, 1.0, [13422, 21810])
     res["torch"] = {"error": "Traceback (most recent call last):\n\n  x | y\nImportError: torch"}
-    rows = bench.goal_rows(res)
-    goals_table = bench.markdown(res, rows).split("| measurement", 1)[1].split("\n\n", 1)[0]
+    rows = bench_report.goal_rows(res)
+    goals_table = bench_report.markdown(res, rows).split("| measurement", 1)[1].split("\n\n", 1)[0]
     assert goals_table.count("\n| ") == len(rows)
     assert "x \\| y" in goals_table
+
+
+def test_summary_puts_each_goal_on_one_line_with_what_met_and_missed_it():
+    """The docs' table: roofline rows of one section share a line (named by their specs),
+    the EF top-k codecs share theirs (named by their selection), a row of its own keeps
+    its text; a row that did not run counts as missed, with no ratio."""
+    res = _result(1.0, 1.0, 1.0, 1.0, 5.0, 1.25, 1.0, [13422, 21810])
+    rows = bench_report.goal_rows(res)
+    assert bench_report.family(rows[0]) == ("compress+decompress, 2^24 fp32", "sign()")
+    text = bench_report.summary(rows)
+    lines = text.splitlines()
+    assert lines[:2] == ["| goal | met (ratio) | missed (ratio) |", "|---|---|---|"]
+    assert "| compress+decompress, 2^24 fp32: <= 2x | sign() 2.00 |  |" in lines
+    topk = next(line for line in lines if line.startswith("| EF top-k 1% codec"))
+    assert topk.endswith("| threshold 3.00 | exact 5.00 |")
+    assert "| compressors vs PyTorch, 2^24 fp32: < 1x |  | n/a |" in lines  # did not run
+    assert lines[-1] == f"{sum(r['met'] for r in rows)} of {len(rows)} goals met."
+    # one line per family, every goal row in exactly one of them
+    assert len(lines) == 2 + len({bench_report.family(r)[0] + str(r["goal"]) for r in rows}) + 2
 
 
 @pytest.mark.slow
@@ -205,11 +224,11 @@ def test_quick_run_writes_every_section(tmp_path):
     sections += ("topk_codec",)
     for section in (*sections, "step"):
         assert "error" not in res[section], res[section]
-    for section in (*bench.ROOFLINE_PARTS, "memory"):
-        assert set(res[section]["compressors"]) == set(bench.specs(section))
-    assert set(res["step"]["ratio"]) == set(bench.specs("step"))
+    for section in (*bench_codecs.ROOFLINE_PARTS, "memory"):
+        assert set(res[section]["compressors"]) == set(bench_codecs.specs(section))
+    assert set(res["step"]["ratio"]) == set(bench_codecs.specs("step"))
     assert all(r["ratio"] > 0 for r in res["goals"] if r["group"] != "pytorch")
     table = (tmp_path / "bench.md").read_text()
-    assert table == bench.markdown(res, res["goals"])  # the table is the JSON's
+    assert table == bench_report.markdown(res, res["goals"])  # the table is the JSON's
     goals_table = table.split("| measurement", 1)[1].split("\n\n", 1)[0]
     assert goals_table.count("\n| ") == len(res["goals"])
