@@ -322,6 +322,18 @@ METHODS: tuple[BenchMethod, ...] = (
         f"ef(top_k(ratio=0.01), exchange='scatter_gather', {B})",
         "scatter_gather",
     ),
+    BenchMethod(
+        "topk-th-ag",
+        "EF top-k 1% (threshold), all-gather",
+        f"ef(top_k(ratio=0.01, select='threshold'), {B})",
+        "allgather",
+    ),
+    BenchMethod(
+        "topk-th-sg",
+        "EF top-k 1% (threshold), scatter-gather",
+        f"ef(top_k(ratio=0.01, select='threshold'), exchange='scatter_gather', {B})",
+        "scatter_gather",
+    ),
     BenchMethod("powersgd", "PowerSGD rank 4", "powersgd(rank=4)", "allreduce"),
     BenchMethod(
         "sign-ag", "sign vote, packed all-gather", f"sign_majority_vote({B})", "allgather", 1e-4

@@ -200,6 +200,24 @@ def test_summary_puts_each_goal_on_one_line_with_what_met_and_missed_it():
     assert len(lines) == 2 + len({bench_report.family(r)[0] + str(r["goal"]) for r in rows}) + 2
 
 
+def test_the_docs_performance_table_is_one_committed_runs():
+    """docs/benchmarks.md's goal table is :func:`summary` of the committed full run
+    (``paper_figs/out/bench_cpu.json``, a copy of one ``make bench``'s results/bench.json),
+    and that run judged the same goals as the code does now."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    res = json.loads((root / "paper_figs" / "out" / "bench_cpu.json").read_text())
+    rows = bench_report.goal_rows(res)
+    assert [r["met"] for r in rows] == [r["met"] for r in res["goals"]]
+    assert bench_report.summary(rows) in (root / "docs" / "benchmarks.md").read_text()
+    assert res["config"]["quick"] is False and res["config"]["repeats"] == 9
+    codecs = [dataclasses.asdict(c) for c in bench_codecs.CODECS]
+    assert res["config"]["codecs"] == json.loads(json.dumps(codecs))  # today's codecs
+
+
 @pytest.mark.slow
 def test_quick_run_writes_every_section(tmp_path):
     """``python -m experiments.bench --quick``: every section ran (PyTorch only where it
