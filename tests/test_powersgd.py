@@ -167,6 +167,12 @@ def test_bits_per_worker():
     assert delayed.bits_per_worker == expect
 
 
+def test_no_matrix_sends_no_factor_messages():
+    """Leaves all sent dense: one message of their means and the flag, no empty P or Q."""
+    report = compjax.communication(compjax.powersgd(2, "data"), {"b": PARAMS["b"]}, num_workers=2)
+    assert [kind for kind, _ in report.messages] == ["flag", "dense"]
+
+
 def test_kernel_layouts_put_output_channels_on_one_side():
     flax_kernel = {"k": jnp.zeros((3, 3, 16, 32))}  # (kh, kw, cin, cout): (144) x 32
     torch_kernel = {"k": jnp.zeros((32, 16, 3, 3))}  # (cout, cin, kh, kw): 32 x (144)

@@ -227,6 +227,8 @@ def powersgd(
 
     def factors_together(ms, qs, n):
         """:func:`factors` of every matrix, each factor's sums in one message for all."""
+        if not ms:  # no matrix to compress: no message
+            return [], [], []
         ps = [(m @ q).astype(jnp.float32) for m, q in zip(ms, qs, strict=True)]
         record("P", tuple(ps), "all_reduce", axis_name)  # P and Q travel in float32
         totals_p = psum_together(ps, axis_name)
