@@ -91,8 +91,8 @@ def compress_blocks(comp: Compressor, keys, blocks: jax.Array):
     """``comp.compress(keys[i], blocks[i])`` for every row, stacked into one payload.
 
     Batched with ``jax.vmap``, except for a compressor whose ``compress``
-    branches on its data (``comp.branches``: the sampled-threshold top-k's
-    accept test): ``vmap`` turns a ``lax.cond`` on batched data into both
+    branches on its data (``comp.branches``: the top-k selections' accept
+    tests): ``vmap`` turns a ``lax.cond`` on batched data into both
     branches, so the threshold's exact top-k fallback and its full passes ran
     on every block (``make bench-net``: EF top-k by scatter-gather took 687
     against 356 ms per step by all-gather).  Those blocks are compressed one

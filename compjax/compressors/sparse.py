@@ -147,8 +147,9 @@ class TopK(Sparsifier):
 
     @property
     def branches(self):  # type: ignore[override]
-        # The threshold's accept test and its NaN guard are conditionals.
-        return self.select == "threshold"
+        # Both selections' accept tests and NaN guards are conditionals (the exact
+        # one's on inputs where selection.fast_exact_pays).
+        return True
 
     def _threshold(self, d: int) -> bool:
         # An empty input has nothing to select; with k = d every entry is kept.
@@ -170,6 +171,8 @@ class TopK(Sparsifier):
     def indices(self, key, flat, k):
         d = flat.shape[0]
         if not self._threshold(d):
+            if selection.fast_exact_pays(d, k):
+                return selection.fast_exact_select(flat, k, sample_ratio=self.sample_ratio).indices
             return jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32)
         return selection.sampled_threshold_select(
             flat,
@@ -274,7 +277,11 @@ def top_k(
     ``select`` chooses how the entries are found:
 
     * ``"exact"`` (default): ``jax.lax.top_k`` of ``|x|``, exactly ``k``
-      entries.  Wire format: ``k`` int32 indices and ``k`` values in the
+      entries.  On inputs where it pays (``2**16`` entries or more, ``k`` at
+      most ``d / 24``) the same indices in the same order come from a top-k
+      of the entries above a sampled threshold
+      (:func:`compjax.compressors.selection.fast_exact_select`; 25.6M entries
+      at density 0.01 on a CPU: 150 ms against 620 ms).  Wire format: ``k`` int32 indices and ``k`` values in the
       input dtype.  Theory: biased, ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``,
       ``delta = k/d``, equality at equal magnitudes.
     * ``"threshold"``: DGC's sampled threshold
