@@ -154,6 +154,28 @@ def test_a_large_model_is_timed_on_a_sample_scaled_by_size():
         assert rounds["dense fp32"].shape == (2,) and np.all(rounds["dense fp32"] > 0)
 
 
+def test_one_worker_keeps_the_updates_conditionals_and_its_result():
+    """The codec timer runs a worker's update on a one-device mesh, not under ``jax.vmap``
+    (which turned every ``lax.cond`` into both branches: the threshold top-k's exact
+    fallback was timed on every update); the result is the vmapped update's."""
+    import compjax
+
+    tx = compjax.error_feedback(compjax.top_k(ratio=0.01, select="threshold"), "data")
+    grads = {"w": jax.random.normal(jax.random.key(0), (1, 2**16))}
+    state = jax.vmap(tx.init)(grads)
+    batched = jax.vmap(tx.update, axis_name="data")
+    assert " cond[" not in str(jax.make_jaxpr(batched)(grads, state))
+    want, want_state = batched(grads, state)
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    grads, state = jax.device_put((grads, state), jax.NamedSharding(mesh, jax.P("data")))
+    timed = jax.jit(codec_timing.one_worker(tx.update, mesh))
+    assert " cond[" in str(jax.make_jaxpr(timed)(grads, state))
+    out, new_state = timed(grads, state)
+    np.testing.assert_array_equal(out["w"], want["w"])
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(b))
+
+
 def test_codec_times_are_medians_of_paired_rounds_and_negatives_are_kept():
     dense = [1.0, 5.0, 9.0]
     timer = rounds_timer({"dense fp32": dense, "QSGD 4-bit": [1.5, 9.5, 5.2],

@@ -281,9 +281,10 @@ def top_k(
       most ``d / 24``) the same indices in the same order come from a top-k
       of the entries above a sampled threshold
       (:func:`compjax.compressors.selection.fast_exact_select`; 25.6M entries
-      at density 0.01 on a CPU: 150 ms against 620 ms).  Wire format: ``k`` int32 indices and ``k`` values in the
-      input dtype.  Theory: biased, ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``,
-      ``delta = k/d``, equality at equal magnitudes.
+      at density 0.01 on a CPU: 150 ms against 620 ms).  Wire format: ``k``
+      int32 indices and ``k`` values in the input dtype.  Theory: biased,
+      ``||C(x) - x||^2 <= (1 - k/d) ||x||^2``, ``delta = k/d``, equality at
+      equal magnitudes.
     * ``"threshold"``: DGC's sampled threshold
       (:func:`compjax.compressors.selection.sampled_threshold_select`), a
       fraction of the cost of a full top-k on a CPU.  The ``ceil(num k/d)``-th
