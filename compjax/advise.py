@@ -8,9 +8,10 @@ shared medium), every method below is costed as
 
 with the messages and their collectives from :func:`compjax.communication`
 (``routes``), their time from :mod:`compjax.costmodel` (the model that
-``make bench-net`` checks against measured steps: 64 of 66 settings within
-25%), and the codec timed here, on the current device: one jitted update
-of a single worker (its compression and the decoding of its own message;
+``make bench-net`` checks against measured steps: 74 of 102 settings within
+25% in its committed run, the others measured faster than predicted), and
+the codec timed here, on the current device: one jitted update of a single
+worker (its compression and the decoding of its own message;
 the decoding of the other workers' messages, which an all-gather adds, is
 not included), less dense float32's update timed in the same round.
 
