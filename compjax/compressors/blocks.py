@@ -113,11 +113,11 @@ def _row_prefix(counts: jax.Array, most: int) -> jax.Array:
     if rows <= _PREFIX_ROW:
         offsets = jnp.cumsum(totals) - totals
     else:
-        offsets = _prefix(totals, cols * most)
+        offsets = prefix_sums(totals, cols * most)
     return within + offsets[:, None]
 
 
-def _prefix(counts: jax.Array, most: int, row: int = _PREFIX_ROW) -> jax.Array:
+def prefix_sums(counts: jax.Array, most: int, row: int = _PREFIX_ROW) -> jax.Array:
     """Exclusive prefix sums of a 1-D array of counts in ``[0, most]``, as int32.
 
     The first level in rows of ``row`` entries, the row totals in rows of
@@ -131,14 +131,14 @@ def _prefix(counts: jax.Array, most: int, row: int = _PREFIX_ROW) -> jax.Array:
     return _row_prefix(padded, most).reshape(-1)[:m]
 
 
-def _compact(mask: jax.Array, values: jax.Array, size: int, fill: int) -> jax.Array:
+def compact(mask: jax.Array, values: jax.Array, size: int, fill: int) -> jax.Array:
     """``values`` where ``mask`` holds, in row-major order, in ``size`` slots padded with ``fill``.
 
     ``values[jnp.nonzero(mask, size=size)]`` with the unused slots set to
     ``fill`` (true entries beyond the first ``size`` are dropped).  ``mask``
     and ``values`` are 1-D, or 2-D with at most ``_BLOCK`` columns.
     """
-    prefix = _prefix(mask, 1, _SUB_BLOCK) if mask.ndim == 1 else _row_prefix(mask, 1)
+    prefix = prefix_sums(mask, 1, _SUB_BLOCK) if mask.ndim == 1 else _row_prefix(mask, 1)
     pos = jnp.where(mask, prefix, size).reshape(-1)
     out = jnp.full((size,), fill, jnp.int32)
     return out.at[pos].set(values.reshape(-1).astype(jnp.int32), mode="drop")
@@ -185,7 +185,7 @@ class Blocks(NamedTuple):
         """
         nb = self.maxima.shape[0]
         active = self.maxima >= t
-        ids = _compact(active, jnp.arange(nb), capacity, nb)
+        ids = compact(active, jnp.arange(nb), capacity, nb)
         values, index = self.entries(ids)
         passes = jnp.sum((jnp.abs(values) >= t) & (index < self.d), dtype=jnp.int32)
         blocks = jnp.sum(active, dtype=jnp.int32)
@@ -215,7 +215,7 @@ class Blocks(NamedTuple):
             sub_values = values.reshape(-1, _SUB_BLOCK)
             sub_index = index.reshape(-1, _SUB_BLOCK)
             n_sub = sub_values.shape[0]
-            ids = _compact(_abs_max(sub_values) >= t, jnp.arange(n_sub), capacity, n_sub)
+            ids = compact(_abs_max(sub_values) >= t, jnp.arange(n_sub), capacity, n_sub)
             values = sub_values.at[ids].get(mode="fill", fill_value=0.0)
             index = sub_index.at[ids].get(mode="fill", fill_value=self.d)
-        return _compact((jnp.abs(values) >= t) & (index < self.d), index, capacity, self.d)
+        return compact((jnp.abs(values) >= t) & (index < self.d), index, capacity, self.d)
