@@ -11,7 +11,9 @@ reported as the median over the rounds after warm-up calls:
   parameters), against a jitted ``x * 2`` of the same arrays (one read and
   one write of each); and on the same tree cut into ``2**22``-entry buckets
   (``bucket_size=``: each bucket encoded from its pieces of leaves, decoded
-  into them).
+  into them); and that bucketed tree with its kernels in Flax's HWIO layout
+  (no goal: the tree's torchvision layout ends its kernels in dimensions of
+  1, 3 or 7, over which XLA's CPU backend runs the decoders' loops).
   Elementwise compressors are held to 2x the copy everywhere; EDEN (1 bit) to
   3x on ``2**24`` entries; the other rotation-based ones (EDEN 2 and 4 bits,
   DRIVE) and EDEN on the tree are reported without a goal;
@@ -80,12 +82,14 @@ from experiments.bench_codecs import (
     DGC_RATIO,
     EF_TOPK_RATIO,
     HADAMARD_ROUNDS,
+    HWIO_PART,
     MLP_BATCH_PER_WORKER,
     MLP_WIDTHS,
     NO_YNN,
     POWERSGD_RANK,
     STEP_WORKERS,
     N,
+    hwio,
     resnet50_shapes,
     specs,
 )
@@ -610,6 +614,10 @@ def main(argv=None) -> int:
     print(f"roofline, ResNet-50 tree in buckets of 2^{BUCKET_LOG2}", flush=True)
     res["roofline_buckets"] = bench_roofline(
         shapes_tree, specs("roofline_buckets"), repeats, 2**BUCKET_LOG2
+    )
+    print("roofline, the same in Flax's HWIO layout (no goal)", flush=True)
+    res[HWIO_PART] = bench_roofline(
+        [hwio(s) for s in shapes_tree], specs(HWIO_PART), repeats, 2**BUCKET_LOG2
     )
     print("Hadamard transform, 2^24 entries", flush=True)
     res["hadamard"] = bench_hadamard(repeats)

@@ -27,10 +27,12 @@ STEP_WORKERS = 8
 #: XLA flag that turns off its YNNPACK fusions (a diagnostic run of the step only).
 NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="
 
-#: The roofline sections (compress + decompress against the copy).
+#: The roofline sections (compress + decompress against the copy) that carry goals.
 ROOFLINE_PARTS = ("roofline", "roofline_tree", "roofline_buckets")
+#: The bucketed tree again, its kernels in Flax's HWIO layout (reported, no goal).
+HWIO_PART = "roofline_buckets_hwio"
 #: Where an elementwise compressor runs: every roofline, the memory analysis, the MLP step.
-ELEMENTWISE_PARTS = (*ROOFLINE_PARTS, "memory", "step")
+ELEMENTWISE_PARTS = (*ROOFLINE_PARTS, HWIO_PART, "memory", "step")
 #: Where a rotation-based one runs (its time grows with log d: no buckets, no step).
 ROTATION_PARTS = ("roofline", "roofline_tree", "memory")
 
@@ -102,3 +104,12 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
                 shapes += [(out, channels, 1, 1), (out,), (out,)]
             channels = out
     return [*shapes, (1000, 2048), (1000,)]
+
+
+def hwio(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A torchvision shape in Flax's layout: OIHW kernels as HWIO, the classifier as
+    ``(in, out)``; vectors as they are."""
+    if len(shape) == 4:
+        o, i, h, w = shape
+        return (h, w, i, o)
+    return shape[::-1]

@@ -19,6 +19,7 @@ from pathlib import Path
 from experiments.bench_codecs import (
     BUCKET_LOG2,
     CODEC,
+    HWIO_PART,
     POWERSGD_RANK,
     STEP_GOAL,
     TOPK_CODEC_GOAL,
@@ -39,6 +40,7 @@ def roofline_rows(res: dict) -> list[dict]:
         ("2^24 fp32", "roofline"),
         ("ResNet-50 tree", "roofline_tree"),
         (f"ResNet-50 tree in buckets of 2^{BUCKET_LOG2}", "roofline_buckets"),
+        (f"ResNet-50 tree, Flax's HWIO layout, in buckets of 2^{BUCKET_LOG2}", HWIO_PART),
     ):
         sec = res.get(key, {})
         for spec, r in sec.get("compressors", {}).items():

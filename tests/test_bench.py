@@ -242,7 +242,7 @@ def test_quick_run_writes_every_section(tmp_path):
     sections += ("topk_codec",)
     for section in (*sections, "step"):
         assert "error" not in res[section], res[section]
-    for section in (*bench_codecs.ROOFLINE_PARTS, "memory"):
+    for section in (*bench_codecs.ROOFLINE_PARTS, bench_codecs.HWIO_PART, "memory"):
         assert set(res[section]["compressors"]) == set(bench_codecs.specs(section))
     assert set(res["step"]["ratio"]) == set(bench_codecs.specs("step"))
     assert all(r["ratio"] > 0 for r in res["goals"] if r["group"] != "pytorch")
