@@ -118,3 +118,15 @@ def test_ties_at_the_kth_magnitude_are_taken_by_index_on_the_fast_path():
         assert not bool(fell_back)
         assert np.sum(np.abs(np.float32(x)) == np.float32(kth)) > 1  # a real tie at the cut
         np.testing.assert_array_equal(fast, exact)
+
+
+def test_top_k_sends_increasing_indices_below_the_fast_path_too():
+    """Where the fast path does not pay, top_k's payload is lax.top_k's indices, sorted,
+    with their values: one wire order whatever the size."""
+    d, comp = 1000, compjax.top_k(k=37)
+    assert not selection.fast_exact_pays(d, 37)
+    x = jax.random.normal(jax.random.key(2), (d,))
+    payload = comp.compress(None, x)
+    want = np.sort(jax.lax.top_k(jnp.abs(x), 37)[1])
+    np.testing.assert_array_equal(payload.wire["indices"], want)
+    np.testing.assert_array_equal(payload.wire["values"], np.asarray(x)[want])
