@@ -231,8 +231,8 @@ def bench_hadamard(repeats: int) -> dict:
 
     The rotation is the one EDEN's compress makes: ``HADAMARD_ROUNDS`` rounds
     ``H D_r ... H D_1 x`` with the sign diagonals drawn from the key in the
-    same call (:func:`compjax.hadamard.rotate_key`: inside the blocked
-    passes).  Interleaved with the copy, round by round.
+    same call (:func:`compjax.hadamard.rotate_key`: flips drawn from the
+    entries' indices).  Interleaved with the copy, round by round.
     """
     x = jax.random.normal(jax.random.key(4), (N,), jnp.float32)
     key = jax.random.key(5)

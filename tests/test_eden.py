@@ -38,7 +38,7 @@ def _fwht_twice(x):
 
 def test_fwht_is_the_orthonormal_hadamard_matrix():
     rng = np.random.default_rng(0)
-    for n in (1, 2, 4, 8, 32, 256):
+    for n in (1, 2, 4, 8, 32, 256, 2048):
         x = rng.standard_normal((3, n)).astype(np.float32)
         y, back = _fwht_twice(jnp.asarray(x))
         y = np.asarray(y)
@@ -58,23 +58,30 @@ def test_fwht_is_the_orthonormal_hadamard_matrix():
     ]
 
 
-def test_blocked_fwht_of_long_vectors_is_the_per_stage_butterfly_bit_for_bit():
-    """Past 2**16 entries a vector is transformed in two blocked, transposing passes; the same
-    additions in the same order as the one-piece transform (which batched inputs take)."""
-    for log2 in (17,):  # 2**18 too with make test-slow (test_blocked_fwht_at_2_18)
-        x = jax.random.normal(jax.random.key(log2), (1 << log2,), jnp.float32)
-        blocked = jax.jit(hadamard.fwht)(x)
-        per_stage = jax.jit(hadamard.fwht)(x[None])[0]
-        np.testing.assert_array_equal(blocked, per_stage)
-        np.testing.assert_array_equal(jax.jit(jax.vmap(hadamard.fwht))(x[None])[0], per_stage)
-        np.testing.assert_allclose(jax.jit(hadamard.fwht)(blocked), x, rtol=1e-4, atol=1e-5)
+def _butterfly(x: np.ndarray) -> np.ndarray:
+    """The textbook in-place butterfly in float64, one stage per index bit (the reference)."""
+    y = np.array(x, np.float64)
+    n, h = y.shape[-1], 1
+    while h < n:
+        y = y.reshape(*y.shape[:-1], n // (2 * h), 2, h)
+        y = np.stack([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], axis=-2)
+        y, h = y.reshape(*y.shape[:-3], n), 2 * h
+    return y / np.sqrt(n)
 
 
-@pytest.mark.slow
-def test_blocked_fwht_at_2_18():
-    x = jax.random.normal(jax.random.key(18), (1 << 18,), jnp.float32)
-    per_stage = jax.jit(hadamard.fwht)(x[None])[0]
-    np.testing.assert_array_equal(jax.jit(hadamard.fwht)(x), per_stage)
+def test_fwht_of_long_vectors_is_the_butterfly():
+    """Past the sizes a matrix can check (products with H_64, H_32, ...: 2**17 = 2**6 2**6
+    2**5), the transform against the float64 butterfly, plain, batched and under vmap."""
+    assert hadamard._factor_bits(24) == [6, 6, 6, 6]
+    assert hadamard._factor_bits(17) == [6, 6, 5]
+    assert hadamard._factor_bits(13) == [5, 4, 4]
+    assert hadamard._factor_bits(0) == []
+    x = jax.random.normal(jax.random.key(17), (1 << 17,), jnp.float32)
+    y = jax.jit(hadamard.fwht)(x)
+    np.testing.assert_allclose(y, _butterfly(np.asarray(x)), rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(jax.jit(hadamard.fwht)(x[None])[0], y)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(hadamard.fwht))(x[None])[0], y)
+    np.testing.assert_allclose(jax.jit(hadamard.fwht)(y), x, rtol=1e-4, atol=1e-5)
 
 
 def test_randomized_rotation_inverts():
@@ -86,9 +93,9 @@ def test_randomized_rotation_inverts():
     np.testing.assert_allclose(hadamard.unrotate(signs, y), x, rtol=1e-4, atol=1e-5)
 
 
-def test_rotation_with_signs_drawn_in_the_passes_is_rotate_bit_for_bit():
-    """Past 2**16 entries ``rotate_key`` draws each round's signs inside its first blocked pass
-    (``unrotate_key`` inside the last): the same bits as ``rotate`` with ``random_signs``."""
+def test_rotation_with_signs_drawn_from_the_index_is_rotate_bit_for_bit():
+    """``rotate_key`` flips signs drawn from each entry's index (no sign array): the same bits
+    as ``rotate`` with ``random_signs``, and ``unrotate_key`` inverts it."""
     n, key = 1 << 17, jax.random.key_data(jax.random.key(9))
     x = jax.random.normal(jax.random.key(8), (n,), jnp.float32)
     signs = hadamard.random_signs(key, n, 3)
@@ -105,46 +112,8 @@ def test_rotation_with_signs_drawn_in_the_passes_is_rotate_bit_for_bit():
     )
 
 
-@pytest.fixture
-def accelerator_form(monkeypatch):
-    """The transform an accelerator runs (products with small Hadamard matrices), on the CPU."""
-    monkeypatch.setattr(hadamard, "_on_accelerator", lambda: True)
-
-
-def test_grouped_fwht_is_the_hadamard_matrix(accelerator_form):
-    """The accelerators' form: ``H_n`` as products with ``H_f`` (f <= 64), the digits moved
-    last each time, equals the matrix (here 2**11 = 2**6 2**5, and small n)."""
-    assert hadamard._factor_bits(24) == [6, 6, 6, 6]
-    assert hadamard._factor_bits(13) == [5, 4, 4]
-    assert hadamard._factor_bits(0) == []
-    rng = np.random.default_rng(2)
-    for n in (1, 2, 64, 128, 1 << 11):
-        x = rng.standard_normal((2, n)).astype(np.float32)
-        y = np.asarray(hadamard.fwht(jnp.asarray(x)))
-        np.testing.assert_allclose(y, x @ linalg.hadamard(n) / np.sqrt(n), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(hadamard.fwht(jnp.asarray(y)), x, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(hadamard.fwht(jnp.asarray(x[0])), y[0], rtol=1e-6, atol=1e-6)
-
-
-def test_grouped_rotation_draws_the_same_signs(accelerator_form):
-    """On an accelerator ``rotate_key`` flips signs drawn from the index before each product:
-    the same bits as ``rotate`` with ``random_signs`` there, and the CPU's rotation up to
-    rounding."""
-    n, key = 1 << 17, jax.random.key_data(jax.random.key(9))
-    x = jax.random.normal(jax.random.key(8), (n,), jnp.float32)
-    signs = hadamard.random_signs(key, n, 2)
-    y = hadamard.rotate_key(key, x, 2)
-    np.testing.assert_array_equal(y, hadamard.rotate(signs, x))
-    back = hadamard.unrotate_key(key, y, 2)
-    np.testing.assert_array_equal(back, hadamard.unrotate(signs, y))
-    np.testing.assert_allclose(back, x, rtol=1e-4, atol=1e-4)
-    with pytest.MonkeyPatch.context() as cpu:
-        cpu.setattr(hadamard, "_on_accelerator", lambda: False)
-        np.testing.assert_allclose(hadamard.rotate_key(key, x, 2), y, rtol=1e-4, atol=1e-4)
-
-
 def test_eden_on_a_long_vector_keeps_its_inner_product():
-    """``<x_hat, x> = ||x||^2`` through the blocked rotation with its signs drawn in the passes."""
+    """``<x_hat, x> = ||x||^2`` through the rotation with its signs drawn from the index."""
     x = jax.random.normal(jax.random.key(10), (100_000,), jnp.float32)
     for comp in (compjax.eden(), compjax.eden(bits=2)):
         x_hat = jax.jit(lambda key, x, comp=comp: comp.decompress(comp.compress(key, x)))(

@@ -140,9 +140,10 @@ class IntQuant(Compressor):
             )
         return WORD // width
 
-    def _signs(self, key, n: int) -> jax.Array:
-        key = jax.random.fold_in(raw_key(key), _ROTATION_STREAM)
-        return hadamard.random_signs(key, n)
+    @staticmethod
+    def _rotation_key(key):
+        """The rotation's key: its own stream of the shared ``key`` (its signs, one round)."""
+        return jax.random.fold_in(raw_key(key), _ROTATION_STREAM)
 
     def rotate_in(self, key, flat: jax.Array | Pieces) -> jax.Array | Pieces:
         """``H D x`` padded to ``d'``, signs from the shared ``key`` (``x`` if not rotating).
@@ -156,13 +157,14 @@ class IntQuant(Compressor):
             flat = flat.join()
         d = flat.shape[0]
         n = hadamard.next_power_of_two(d) if d else 0
-        return hadamard.rotate(self._signs(key, n), jnp.pad(flat.astype(jnp.float32), (0, n - d)))
+        padded = jnp.pad(flat.astype(jnp.float32), (0, n - d))
+        return hadamard.rotate_key(self._rotation_key(key), padded)
 
     def rotate_out(self, key, y: jax.Array, d: int) -> jax.Array:
         """The inverse of :meth:`rotate_in` (same ``key``), cut back to ``d`` entries."""
         if not self.rotate:
             return y
-        return hadamard.unrotate(self._signs(key, y.shape[0]), y)[:d]
+        return hadamard.unrotate_key(self._rotation_key(key), y)[:d]
 
     def scale_of(self, flat: jax.Array | Pieces) -> jax.Array:
         """``max|x|`` in float32 (NaN or Inf propagate: the decode is then non-finite).
