@@ -254,12 +254,14 @@ def test_gathered_payload_decodes_with_vmap():
         compjax.qsgd(levels=4, bucket_size=512),
         compjax.terngrad(),
         compjax.scaled_sign(),
+        compjax.natural_dithering(),
     ],
     ids=repr,
 )
 def test_compressing_a_kernel_does_not_copy_it(comp):
     """XLA's compiled temporaries for compress on a conv kernel stay well below its size
-    (a row view of the flattened kernel behind an optimisation barrier was a full copy)."""
+    (a row view of the flattened kernel behind an optimisation barrier was a full copy; so
+    was natural dithering's ``|x|``, shared by the norm's reduction and the codes)."""
     x = jax.ShapeDtypeStruct((256, 128, 3, 3), jnp.float32)
     compiled = jax.jit(comp.compress).lower(jax.random.key(0), x).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.25 * x.size * 4

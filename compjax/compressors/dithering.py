@@ -20,7 +20,7 @@ from compjax.compressor import Compressor, dtype_max, safe_divide, safe_norm
 from compjax.compressors.elementwise import Elementwise
 from compjax.compressors.qsgd import norm_of_pieces, saturated_norm
 from compjax.draws import bernoulli
-from compjax.numerics import divide, round_to
+from compjax.numerics import divide, exponent, magnitude, pow2, round_to
 from compjax.pieces import Pieces
 
 _MAX_LEVELS = 64
@@ -117,8 +117,7 @@ def p_norm_of_pieces(pieces: Pieces, p: float) -> jax.Array:
 
 def _level_value(code: jax.Array, levels: int) -> jax.Array:
     """Code ``j`` to its level: ``0`` for ``j = 0``, ``2^(j - s)`` for ``1 <= j <= s``."""
-    value = jnp.ldexp(jnp.float32(1.0), code.astype(jnp.int32) - levels)
-    return jnp.where(code > 0, value, 0.0)
+    return jnp.where(code > 0, pow2(code.astype(jnp.int32) - levels), 0.0)  # exact, from bits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,11 +150,13 @@ class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
     def encode_span(self, key, flat, offset, d, stats, dtype):
         s = self.levels
         norm = stats["norm"][0]
-        mag = jnp.abs(flat)
-        y = jnp.minimum(jnp.abs(safe_divide(flat, norm)), 1.0)
-        # y in [2^e, 2^(e+1)): frexp gives y = f 2^k with f in [1/2, 1), so e = k - 1.
-        _, k = jnp.frexp(y)
-        estimate = jnp.where(y > 0, jnp.clip(k - 1 + s, 0, s), 0)  # the level at or below y
+        # |x| by its bits: a jnp.abs here would be merged with the norm's and written out
+        # whole for the norm's reduction (a full-size array, about a copy's time).
+        mag = magnitude(flat)
+        y = jnp.minimum(safe_divide(mag, norm), 1.0)
+        # y in [2^e, 2^(e+1)), e = floor(log2 y) from y's exponent bits (-127 if subnormal,
+        # which is below every level): the level at or below y.
+        estimate = jnp.where(y > 0, jnp.clip(exponent(y) + s, 0, s), 0)
         # Bracket |x_i| between neighbouring levels *as decoded* (on the input dtype's grid,
         # saturating), correcting float32's estimate by one level, so that E[decode] = x.
         at, above = self.grid(norm, estimate, dtype), self.grid(norm, estimate + 1, dtype)

@@ -133,7 +133,10 @@ class Drive(Compressor):
             centroids, thresholds = self._codebook()
             sq = jnp.sum(y * y)
             rms = jnp.sqrt(sq / max(n, 1))
-            code = jnp.searchsorted(thresholds, safe_divide(y, rms)).astype(jnp.uint32)
+            # compare_all: one fused pass over y (the default binary search is a while loop
+            # carrying full-size arrays); the same index, NaN included.
+            code = jnp.searchsorted(thresholds, safe_divide(y, rms), method="compare_all")
+            code = code.astype(jnp.uint32)
             scale = jnp.minimum(m * safe_divide(sq, jnp.dot(y, centroids[code])), _FLOAT32_MAX)
             codes = packing.pack(code, self.bit_width)
             return {"scale": scale.reshape(1), "codes": codes}, {"key": key}
