@@ -310,17 +310,17 @@ def test_threshold_is_lowered_into_the_band(iters, accepted):
         assert 27 <= int(sel.count) <= 35
 
 
-# The blocked selection (block maxima, compaction on candidate blocks) must give the
-# reference selection (full passes over |x|) entry for entry.  Two sizes: 2**15, and one
-# that is not a multiple of the blocks; two densities: 0.001 (blocks of 64) and 0.01
+# The fast selection (the sample's threshold on mask words; adapted on block maxima,
+# compaction on candidate blocks) must give the reference selection (full passes over
+# |x|) entry for entry, NaNs and infinities included.  Two sizes: 2**15, and one that is
+# not a multiple of the words or the blocks; two densities: 0.001 (blocks of 64) and 0.01
 # (blocks of 8, no sub-blocks).
 @partial(jax.jit, static_argnames=("k", "iters"))
 def _both_selections(x, offset, k, iters):
     samples, top = select_lib._samples(x, k, offset, 0.01)
     args = (samples, top, k, (0.8, 1.3), iters)
     reference = select_lib._reference_select(jnp.abs(x), *args)
-    size = select_lib.block_size(x.shape[0], select_lib.band_limits(k, x.shape[0], (0.8, 1.3))[1])
-    blocked = select_lib._blocked_select(x, *args, select_lib.Blocks.of(x, size))
+    blocked = select_lib._blocked_select(x, *args)
     return reference, blocked
 
 
@@ -335,6 +335,14 @@ def _inputs(draw_kind, rng, d):
         x[start : start + 200] = rng.standard_normal(200) * 10
         x[rng.integers(0, d, 40)] = rng.standard_normal(40)
         return x
+    if draw_kind == "nan":  # a NaN reaches every threshold on the words' path
+        x = rng.standard_normal(d)
+        x[rng.integers(0, d, 2)] = np.nan
+        return x
+    if draw_kind == "infs":  # both infinities: x sums to NaN
+        x = rng.standard_cauchy(d)
+        x[rng.integers(0, d, 2)] = [np.inf, -np.inf]
+        return x
     if draw_kind == "zeros":  # three non-zero entries: the sample's threshold is 0
         x = np.zeros(d)
         x[rng.integers(0, d, 3)] = 1.0
@@ -344,7 +352,7 @@ def _inputs(draw_kind, rng, d):
 
 @given(
     seed=st.integers(0, 2**31 - 1),
-    kind=st.sampled_from(["gaussian", "ties", "sparse", "zeros", "cauchy"]),
+    kind=st.sampled_from(["gaussian", "ties", "sparse", "zeros", "cauchy", "nan", "infs"]),
     d=st.sampled_from([D, 5003]),
     density=st.sampled_from([0.001, 0.01]),
     offset=st.integers(0, 100),
@@ -385,6 +393,18 @@ def test_kth_largest_is_top_ks_on_one_device_and_under_shard_map(m, top):
     )
     got = jax.jit(run)(jax.device_put(values, jax.NamedSharding(mesh, jax.P("data"))))
     assert np.asarray(got).tolist() == want
+
+
+@pytest.mark.parametrize("top", [1, 64, 65, 2999, 3000, 9000, 10000])
+def test_kth_largest_by_digits_with_ties_zeros_and_infinities(top):
+    """The radix selection (10,000 values, more wanted than the blocks serve) where the
+    answer is shared by many values, is 0, is an infinity, or is the smallest value."""
+    rng = np.random.default_rng(top)
+    values = np.abs(rng.integers(-3, 4, 10_000) * 0.5).astype(np.float32)
+    values[:3000] = np.inf if top <= 3000 else values[:3000]
+    values[5000:5005] = np.float32(1e-45)  # subnormal
+    v = jnp.asarray(rng.permutation(values))
+    assert float(select_lib.kth_largest(v, top)) == float(jax.lax.top_k(v, top)[0][-1])
 
 
 def test_blocked_selection_at_a_zero_threshold_keeps_every_entry_once():

@@ -26,7 +26,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 _BLOCK = 64  # the largest block (and the blocks of the sample's k-th largest)
 _SUB_BLOCK = 8  # the smallest block; the final selection narrows larger ones to it
@@ -57,10 +56,8 @@ def kth_largest(values: jax.Array, top: int) -> jax.Array:
     ``top``-th largest block maximum, which is at most the ``top``-th largest
     value), so a top-k of those blocks' entries gives it.  Many wanted (DGC's
     sample at density 0.01 wants thousands, where a top-k costs XLA on a CPU
-    more than a pass over all of ``x``): a bisection on the values' bits.  A
-    non-negative float32 orders as its bits read as an int32, so the answer
-    is the largest bit pattern ``b`` with ``count(bits >= b) >= top``: 31
-    halvings of ``[0, bits(inf)]``, each a count over ``values``.
+    more than a pass over all of ``x``): a radix selection on the values'
+    bits (:func:`_kth_largest_bits`).
     """
     m = values.shape[0]
     rows = -(-m // _BLOCK)
@@ -72,19 +69,39 @@ def kth_largest(values: jax.Array, top: int) -> jax.Array:
         best = jax.lax.top_k(jnp.max(blocks, axis=1), top)[1]
         return jax.lax.top_k(blocks[best].reshape(-1), top)[0][-1]
     bits = jax.lax.bitcast_convert_type(values.astype(jnp.float32), jnp.int32)
+    return jax.lax.bitcast_convert_type(_kth_largest_bits(bits, top), jnp.float32)
 
-    def halve(_, bounds):  # count(bits >= lo) >= top > count(bits >= hi)
-        lo, hi = bounds
-        mid = lo + (hi - lo) // 2
-        enough = jnp.sum(bits >= mid, dtype=jnp.int32) >= top
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-    inf = int(np.array(np.inf, np.float32).view(np.int32))
-    # The bounds start from the values (as constants they would be the same on every
-    # worker under jax.shard_map, and the loop's carry would change type when they vary).
-    zero = jnp.zeros_like(bits[0])
-    lo, _ = jax.lax.fori_loop(0, 31, halve, (zero, zero + (inf + 1)))
-    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+# The radix selection's digits of a non-negative int32, most significant first:
+# (shift, width) covering bits 30..0.
+_DIGITS = ((20, 11), (10, 10), (0, 10))
+
+
+def _kth_largest_bits(bits: jax.Array, top: int) -> jax.Array:
+    """The ``top``-th largest of 1-D non-negative int32 ``bits``, by their digits.
+
+    A non-negative float32 orders as its bits read as an int32.  Digit by
+    digit (:data:`_DIGITS`, 2048 or 1024 values), the entries that agree
+    with the answer's digits so far are counted per value of the next digit
+    (a histogram, one scatter-add over ``bits``), and the answer's digit is
+    the largest one with at least ``need`` such entries at or above it;
+    ``need`` then drops by those above it.  Three passes over ``bits``, where
+    a bisection on the bits takes 31 counts over them (3.4 ms against 1.2 ms
+    for 258,151 values on a 2-core CPU).
+    """
+    answer = jnp.zeros_like(bits[0])  # from the values: it varies between workers as they do
+    need = jnp.int32(top)
+    for shift, width in _DIGITS:
+        high = shift + width
+        digit = (bits >> shift) & ((1 << width) - 1)
+        if high < 31:  # only the entries agreeing with the answer's higher digits
+            digit = jnp.where((bits >> high) == (answer >> high), digit, 1 << width)
+        counts = jnp.zeros((1 << width,), jnp.int32).at[digit].add(1, mode="drop")
+        at_or_above = jnp.cumsum(counts[::-1])[::-1]
+        best = jnp.sum(at_or_above >= need, dtype=jnp.int32) - 1
+        need = need - (at_or_above[best] - counts[best])
+        answer = answer | (best << shift)
+    return answer
 
 
 def _row_prefix(counts: jax.Array, most: int) -> jax.Array:

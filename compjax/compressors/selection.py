@@ -10,10 +10,13 @@ taken where the count falls outside an accepted band.  Every selection has a
 static capacity (a fixed number of int32 slots, padded with ``d``), so the
 message has a fixed size.
 
-The fast path (:mod:`compjax.compressors.blocks`, :func:`_blocked_select`) reduces ``x`` once
-to block maxima and counts and compacts on the candidate blocks only; it
-gives the reference selection (:func:`_reference_select`, full passes over
-``|x|``) entry for entry.
+The fast path (:func:`_threshold_candidates`) takes the sample's threshold
+with one pass over ``x`` that packs the mask of the entries reaching it into
+words (:mod:`compjax.compressors.masks`); where the threshold must be
+lowered it reduces ``x`` to block maxima (:mod:`compjax.compressors.blocks`)
+and counts and compacts on the candidate blocks only.  It gives the
+reference selection (:func:`_reference_select`, full passes over ``|x|``)
+entry for entry.
 
 References:
   Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from compjax.compressors import masks
 from compjax.compressors.blocks import Blocks, block_size, compact, kth_largest, prefix_sums
 
 
@@ -165,64 +169,84 @@ def _reference_select(mag, samples, top, k, band, max_adaptation_iters):
     return jax.lax.cond(accept, by_threshold, by_top_k), n, accept
 
 
-def _blocked_candidates(
-    samples, top, limits, factor, max_adaptation_iters, blocks, then, otherwise
+def _threshold_candidates(
+    flat, samples, top, limits, factor, max_adaptation_iters, then, otherwise, with_nan
 ):
-    """The entries reaching a sampled threshold, on blocks: ``then`` of them, or ``otherwise()``.
+    """The entries reaching a sampled threshold: ``then`` of them, or ``otherwise()``.
 
     The threshold (the ``top``-th largest sample) is multiplied by ``factor``
     while fewer than ``limits[0]`` entries reach it (at most
     ``max_adaptation_iters`` times).  If the count is then within ``limits``,
-    the result is ``then(indices)`` (their flat indices in order,
-    ``limits[1]`` slots padded with ``d``), else ``otherwise()``.  Returns
+    the result is ``then(indices, values)`` (the entries' flat indices in
+    order, ``limits[1]`` slots padded with ``d``, and their values, 0 in the
+    padded slots), else ``otherwise()``.  Where ``flat`` holds a NaN it is
+    ``with_nan(has_nan)``, a ``(result, count, accepted)`` as returned here
+    (``has_nan``, true there, is passed so that constants made from it vary
+    between workers under ``jax.shard_map`` as the data does).  Returns
     ``(result, count, accepted)``.
 
-    Where more than ``limits[1]`` blocks reach the threshold, the count used is
-    the number of those blocks: like the true count it is above the capacity,
-    so the adaptation stops and the result is ``otherwise()``, as in the
-    reference.
+    The usual case, the sample's threshold accepted as it is, costs one pass
+    over ``flat`` and passes over its mask words (:mod:`compjax.compressors.masks`);
+    a NaN, which reaches every threshold there, is then among the selected
+    values.  Otherwise ``flat`` is summed for a NaN, and without one the
+    threshold is adapted on block maxima (:class:`Blocks`), computed in that
+    branch only.  Where more than ``limits[1]`` blocks reach the adapted
+    threshold, the count used is the number of those blocks: like the true
+    count it is above the capacity, so the adaptation stops and the result is
+    ``otherwise()``, as in the reference.
     """
+    d = flat.shape[0]
     low, capacity = limits
     threshold = kth_largest(samples, top)
-    n, _, values, index = blocks.candidates(threshold, capacity)
-    # The usual case, the sample's threshold accepted as it is, is selected outside the
-    # adaptation loop, which carries counts only: carried through it, the candidates
-    # would be copied on every call (DGC's selection on 2**24 entries: 26 -> 19 ms).
-    first = (n >= low) & (n <= capacity)
-    direct = blocks.select(threshold, values, index, capacity)
-
-    def cond(carry):
-        return (carry[1] < low) & (carry[2] < max_adaptation_iters)
-
-    def body(carry):  # counts only: the loop carries scalars
-        t = carry[0] * factor
-        return t, blocks.candidates(t, capacity)[0], carry[2] + 1
+    direct, n = masks.compact_words(masks.reaching(flat, threshold), capacity, d)
+    values = flat.at[direct].get(mode="fill", fill_value=0.0)
+    first = (n >= low) & (n <= capacity) & ~jnp.any(jnp.isnan(values))
 
     def adapted():
-        t, n_t, _ = jax.lax.while_loop(cond, body, (threshold, n, 0))
+        blocks = Blocks.of(flat, block_size(d, capacity))
+
+        def cond(carry):
+            return (carry[1] < low) & (carry[2] < max_adaptation_iters)
+
+        def body(carry):  # counts only: the loop carries scalars
+            t = carry[0] * factor
+            return t, blocks.candidates(t, capacity)[0], carry[2] + 1
+
+        start = (threshold, blocks.candidates(threshold, capacity)[0], 0)
+        t, n_t, _ = jax.lax.while_loop(cond, body, start)
         accept = (n_t >= low) & (n_t <= capacity)
 
         def selected():
             _, _, values, index = blocks.candidates(t, capacity)
-            return then(blocks.select(t, values, index, capacity))
+            indices = blocks.select(t, values, index, capacity)
+            return then(indices, flat.at[indices].get(mode="fill", fill_value=0.0))
 
         return jax.lax.cond(accept, selected, otherwise), n_t, accept
 
-    return jax.lax.cond(first, lambda: (then(direct), n, first), adapted)
+    # The sum is NaN if flat holds a NaN (or both infinities: with_nan, too).
+    def checked():
+        has_nan = jnp.isnan(jnp.sum(flat))
+        return jax.lax.cond(has_nan, lambda: with_nan(has_nan), adapted)
+
+    return jax.lax.cond(first, lambda: (then(direct, values), n, first), checked)
 
 
-def _blocked_select(flat, samples, top, k, band, max_adaptation_iters, blocks):
-    """:func:`_reference_select` on blocks: the same selection, at a fraction of its cost."""
+def _blocked_select(flat, samples, top, k, band, max_adaptation_iters):
+    """:func:`_reference_select` by :func:`_threshold_candidates`: the same selection, at a
+    fraction of its cost."""
     limits = band_limits(k, flat.shape[0], band)
-    return _blocked_candidates(
+    return _threshold_candidates(
+        flat,
         samples,
         top,
         limits,
         band[0],
         max_adaptation_iters,
-        blocks,
-        then=lambda indices: indices,
+        then=lambda indices, _: indices,
         otherwise=lambda: exact_select(flat, k, limits[1]).indices,
+        with_nan=lambda _: _reference_select(
+            jnp.abs(flat), samples, top, k, band, max_adaptation_iters
+        ),
     )
 
 
@@ -263,17 +287,7 @@ def sampled_threshold_select(
     """
     flat = x.reshape(-1).astype(jnp.float32)
     samples, top = _samples(flat, k, offset, sample_ratio)
-    args = (samples, top, k, band, max_adaptation_iters)
-    blocks = Blocks.of(flat, block_size(flat.shape[0], band_limits(k, flat.shape[0], band)[1]))
-    # With a NaN in x the block maxima are unreliable (XLA's CPU max reduction
-    # may drop earlier entries when it meets a NaN): take the full passes.  The
-    # sum is NaN if x holds a NaN (or both infinities: the full passes, too).
-    has_nan = jnp.isnan(jnp.sum(flat))
-    indices, n, accept = jax.lax.cond(
-        has_nan,
-        lambda: _reference_select(jnp.abs(flat), *args),
-        lambda: _blocked_select(flat, *args, blocks),
-    )
+    indices, n, accept = _blocked_select(flat, samples, top, k, band, max_adaptation_iters)
     return Selection(indices, jnp.where(accept, n, k).astype(jnp.int32), ~accept)
 
 
@@ -317,23 +331,24 @@ def _sorted_top_k(flat: jax.Array, k: int) -> jax.Array:
     return jnp.sort(jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32))
 
 
-def _top_of_candidates(flat: jax.Array, candidates: jax.Array, k: int) -> jax.Array:
-    """The ``k`` largest ``|x|`` among ``candidates`` (flat indices in increasing order,
-    padded with ``d``; at least ``k`` real ones), in increasing order.
+def _top_of_candidates(candidates: jax.Array, values: jax.Array, k: int, d: int) -> jax.Array:
+    """The ``k`` largest ``|values|`` among ``candidates`` (flat indices in increasing order,
+    padded with ``d``, at least ``k`` real ones; ``values`` the entries there, 0 in the
+    padded slots), as flat indices in increasing order.
 
     The ``k``-th largest candidate magnitude ``t`` (:func:`kth_largest`, a
-    bisection on the bits), every candidate above it, and the first of those
+    radix selection on the bits), every candidate above it, and the first of those
     equal to it (by index, as ``jax.lax.top_k`` breaks ties) up to ``k``:
     compactions and counts over the candidates, where a top-k of them would
     sort them.  The padded slots read 0 and come last, so they are never
     taken before a real candidate.
     """
-    mag = jnp.abs(flat.at[candidates].get(mode="fill", fill_value=0.0))
+    mag = jnp.abs(values)
     t = kth_largest(mag, k)
     above, tied = mag > t, mag == t
     room = k - jnp.sum(above, dtype=jnp.int32)
     keep = above | (tied & (prefix_sums(tied, 1) < room))
-    return compact(keep, candidates, k, flat.shape[0])
+    return compact(keep, candidates, k, d)
 
 
 def fast_exact_select(x: jax.Array, k: int, *, sample_ratio: float = 0.01) -> Selection:
@@ -354,10 +369,10 @@ def fast_exact_select(x: jax.Array, k: int, *, sample_ratio: float = 0.01) -> Se
     ``jax.lax.top_k`` of all of ``|x|``, sorted.  ``fallback`` says which
     was taken; ``count`` is always ``k``.
 
-    On a CPU the candidates cost a reduction of ``x`` to block maxima and
+    On a CPU the candidates cost one pass over ``x`` (the mask words) and
     passes over ``1.5 k`` candidates, where ``jax.lax.top_k`` of all ``d``
-    sorts them: 25.6M entries at density 0.01, 620 ms against about 100 ms
-    (one process, 2-core CPU).  ``|x|`` is computed where it is read (in the
+    sorts them: 25.6M entries at density 0.01, 34 ms against 625 ms (one
+    process, 2-core CPU).  ``|x|`` is computed where it is read (in the
     fallback, and on the gathered candidates), never as a full-size array.
     """
     flat = x.reshape(-1).astype(jnp.float32)
@@ -368,25 +383,16 @@ def fast_exact_select(x: jax.Array, k: int, *, sample_ratio: float = 0.01) -> Se
     limits = (k, min(d, _floor(EXACT_CAPACITY * k)))
     ratio = min(1.0, max(sample_ratio, EXACT_MIN_RANK / target))
     samples, top = _samples(flat, target, 0, ratio)
-    blocks = Blocks.of(flat, block_size(d, limits[1]))
-
-    def by_candidates():
-        indices, _, accept = _blocked_candidates(
-            samples,
-            top,
-            limits,
-            EXACT_FACTOR,
-            10,
-            blocks,
-            lambda candidates: _top_of_candidates(flat, candidates, k),
-            lambda: _sorted_top_k(flat, k),
-        )
-        return indices, ~accept
-
-    # A NaN makes the block maxima unreliable (see sampled_threshold_select).  (The flag is
-    # has_nan, not a constant, so that it varies between workers as the data does.)
-    has_nan = jnp.isnan(jnp.sum(flat))
-    indices, fallback = jax.lax.cond(
-        has_nan, lambda: (_sorted_top_k(flat, k), has_nan), by_candidates
+    indices, _, accept = _threshold_candidates(
+        flat,
+        samples,
+        top,
+        limits,
+        EXACT_FACTOR,
+        10,
+        then=lambda candidates, values: _top_of_candidates(candidates, values, k, d),
+        otherwise=lambda: _sorted_top_k(flat, k),
+        with_nan=lambda has_nan: (_sorted_top_k(flat, k), jnp.where(has_nan, k, 0), ~has_nan),
     )
+    fallback = ~accept
     return Selection(indices, jnp.int32(k), fallback)
