@@ -20,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax import collectives
+from compjax import collectives, numerics
 
 #: Extra binades of headroom when a whole exchange is run again pre-scaled: a lossy
 #: compressor's decode can exceed its input's largest entry (QSGD's levels reach
@@ -71,7 +71,7 @@ def once_more_if_not_finite(total: jax.Array, first, again):
     A ``while_loop`` whose body runs at most once (and, under ``vmap``, only on
     steps where some worker's ``total`` is not finite): see the module docstring.
     """
-    retry = jnp.logical_not(jnp.all(jnp.isfinite(total)))
+    retry = jnp.logical_not(numerics.all_finite(total))
 
     def body(carry):
         retry, _ = carry

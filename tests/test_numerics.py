@@ -18,6 +18,7 @@ from helpers import apply, draw
 from scipy import stats
 
 import compjax
+from compjax import numerics
 
 
 def assert_mean_is(draws, x, atol=0.0, p=1e-6):
@@ -292,3 +293,21 @@ def test_qsgd_low_precision_variance_bound(dtype):
             assert var <= qsgd_low_precision_omega(comp, 64, dtype) * sq * (1 + 1e-6)
             worst_ratio = max(worst_ratio, var / (comp.omega(64) * sq))
     assert worst_ratio > 1.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int32"])
+def test_all_finite_is_one_sum_that_keeps_every_inf_and_nan(dtype):
+    """``numerics.all_finite`` (``sum(a - a) == 0``) agrees with ``all(isfinite(a))``:
+    finite extremes (the dtype's largest values, which a plain sum would overflow,
+    subnormals, -0) are finite; one Inf of either sign or one NaN, anywhere, is not."""
+    dt = jnp.dtype(dtype)
+    top = jnp.iinfo(dt).max if dt.kind == "i" else jnp.finfo(dt).max
+    base = jnp.full((3, 1000), top, dt)
+    if dt.kind == "f":
+        base = base.at[0, :3].set(jnp.array([-0.0, jnp.finfo(dt).smallest_subnormal, -top], dt))
+    check = jax.jit(numerics.all_finite)
+    assert bool(check(base)) and bool(check(base[:0]))
+    if dt.kind == "f":
+        for bad in (jnp.inf, -jnp.inf, jnp.nan):
+            for where in ((0, 0), (1, 517), (2, 999)):
+                assert not bool(check(base.at[where].set(bad)))

@@ -23,7 +23,7 @@ import numpy as np
 
 from compjax.compressor import Compressor, dtype_max
 from compjax.draws import bernoulli, stochastic_round
-from compjax.numerics import ldexp, unit_scale
+from compjax.numerics import all_finite, ldexp, unit_scale
 
 
 def water_fill(magnitudes: jax.Array, budget: float) -> jax.Array:
@@ -105,7 +105,7 @@ class Atomo(Compressor):
         if np.dtype(dtype).itemsize < 4:  # decoding rounds: round onto the grid here, unbiased
             values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
         if d:  # an Inf/NaN has no probability to be kept with: send NaN (to entry 0) instead
-            bad = ~jnp.all(jnp.isfinite(flat))
+            bad = ~all_finite(flat)
             idx = jnp.where(bad, 0, idx)
             values = jnp.where(bad, jnp.nan, values)
         return {"indices": idx, "values": values}, {}
@@ -159,7 +159,7 @@ class AtomoSVD(Compressor):
         used = idx < rank
         scale = jnp.where(used, s[safe] / jnp.where(used, p[safe], 1.0), 0.0)
         # An Inf/NaN makes the SVD meaningless: send NaN scales, which decode to NaN.
-        scale = jnp.where(jnp.all(jnp.isfinite(m)), scale, jnp.nan)
+        scale = jnp.where(all_finite(m), scale, jnp.nan)
         wire = {"left": u[:, safe] * used, "right": vt[safe, :], "scales": scale}
         return self.payload(wire, {}, x)
 

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from compjax import numerics
 from compjax.collectives import any_worker, check_worker_local, record, unrecorded
 from compjax.compressor import check_float32_range
 
@@ -46,7 +47,7 @@ def all_finite(arrays: Sequence[Any]) -> jax.Array:
     source belongs to some bucket.
     """
     leaves = jax.tree.leaves(list(arrays))
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in leaves] or [jnp.bool_(True)]))
+    return jnp.all(jnp.stack([numerics.all_finite(a) for a in leaves] or [jnp.bool_(True)]))
 
 
 class Check(NamedTuple):
