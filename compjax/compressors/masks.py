@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from compjax.compressors.blocks import prefix_sums
 
 WORD = 32  # entries per mask word
-_SHIFTS = tuple(range(WORD))
 
 
 def _pack(mask: jax.Array) -> jax.Array:

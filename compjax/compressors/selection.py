@@ -223,7 +223,9 @@ def _threshold_candidates(
 
         return jax.lax.cond(accept, selected, otherwise), n_t, accept
 
-    # The sum is NaN if flat holds a NaN (or both infinities: with_nan, too).
+    # With a NaN in flat the block maxima are unreliable (XLA's CPU max reduction may drop
+    # earlier entries when it meets a NaN).  The sum is NaN if flat holds a NaN (or both
+    # infinities: with_nan, too).
     def checked():
         has_nan = jnp.isnan(jnp.sum(flat))
         return jax.lax.cond(has_nan, lambda: with_nan(has_nan), adapted)
