@@ -198,6 +198,16 @@ class Compressor:
         flat = self.decode(payload.wire, payload.side, math.prod(shape), dtype)
         return self.finish(flat, payload)
 
+    def subtract_decoded(self, payload: Payload, y: jax.Array) -> jax.Array:
+        """``y - decompress(payload)``, ``y`` of the payload's shape: what error feedback keeps.
+
+        The same values (in ``y``'s dtype promoted with the payload's).  The
+        default decodes and subtracts; a sparse message
+        (:class:`compjax.compressors.sparse.Sparsifier`) subtracts its kept
+        entries from ``y`` instead, with no dense decode of zeros.
+        """
+        return y - self.decompress(payload)
+
     # -- a flat array in pieces (gradient buckets, compjax.pieces) --------------
     def compress_pieces(self, key, pieces: Pieces) -> Payload:
         """``compress(key, pieces.join())``, built from the pieces where the compressor can.

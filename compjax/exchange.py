@@ -73,6 +73,7 @@ from compjax.flat_exchange import two_stage_bound as two_stage_bound
 from compjax.flat_exchange import two_stage_variance as two_stage_variance
 from compjax.numerics import to_dtype
 from compjax.overflow import rescaled_if_overflow
+from compjax.payload import Payload
 from compjax.pieces import Pieces, split
 from compjax.scatter import (
     block_of,
@@ -169,6 +170,22 @@ class Exchanged:
     mean: jax.Array | list[jax.Array]
     local: jax.Array | list[jax.Array]
     memory: jax.Array | None = None
+    #: ``(compressor, payload)`` where ``local`` is the decode of this worker's own
+    #: message (one worker, and the all-gather of a whole array); else ``None``.
+    message: tuple[Compressor, Payload] | None = None
+
+    def residual(self, y: jax.Array) -> jax.Array:
+        """``y - local`` (``y`` of ``local``'s shape): what error feedback keeps.
+
+        Where ``local`` is this worker's decoded message it is computed from
+        the message (:meth:`compjax.Compressor.subtract_decoded`: a sparse
+        message subtracts its ``k`` entries, with no dense decode); the same
+        values either way.
+        """
+        if self.message is None:
+            return y - self.local
+        comp, payload = self.message
+        return comp.subtract_decoded(payload, y)
 
 
 def compressed_mean(
@@ -234,7 +251,8 @@ def _exchanged_pieces(comp, key, pieces: Pieces, names, fast, kind, memory) -> E
     if summable(comp):
         mean, local = summed_mean(comp, key, pieces, names, n)
     else:
-        mean, local = gathered_mean(comp, key, pieces, names, n)
+        mean, own = gathered_mean(comp, key, pieces, names, n)
+        local = comp.decompress(own)
     as_pieces = lambda a: split(to_dtype(a, pieces.dtype), sizes)  # noqa: E731
     return Exchanged(mean=as_pieces(mean), local=as_pieces(local), memory=memory)
 
@@ -249,8 +267,9 @@ def _exchanged(comp, key, x, names, fast, kind, memory, guard):
         via = "all_reduce" if comp.linear or summable(comp) else "all_gather"
         record("payload", payload, via, names)
         local = comp.decompress(payload)
-        return Exchanged(mean=local, local=local, memory=memory)
+        return Exchanged(mean=local, local=local, memory=memory, message=(comp, payload))
     guarded = rescaled_if_overflow if guard else _unguarded
+    message = None
     if fast:
         slow = tuple(a for a in names if a not in fast)
         mean, local, memory = guarded(
@@ -259,7 +278,8 @@ def _exchanged(comp, key, x, names, fast, kind, memory, guard):
     elif summable(comp):
         mean, local = summed_mean(comp, key, x.reshape(-1), names, n, guard)
     elif comp.linear or kind == "all_gather":
-        mean, local = gathered_mean(comp, key, x, names, n, guard)
+        mean, own = gathered_mean(comp, key, x, names, n, guard)
+        local, message = comp.decompress(own), (comp, own)
     else:
         flat_memory = None if memory is None else memory.reshape(-1)
         mean, local, memory = guarded(
@@ -273,7 +293,7 @@ def _exchanged(comp, key, x, names, fast, kind, memory, guard):
     # The memory keeps the precision it was computed in (float32 for a bfloat16 x):
     # rounding it to x's dtype would drop small residuals every step.
     memory = None if memory is None else memory.reshape(x.shape)
-    return Exchanged(mean=as_x(mean), local=as_x(local), memory=memory)
+    return Exchanged(mean=as_x(mean), local=as_x(local), memory=memory, message=message)
 
 
 def _unguarded(run, x, memory, n):

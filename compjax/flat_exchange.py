@@ -66,7 +66,7 @@ def _times(x, scale: float):
 
 
 def gathered_mean(comp, key, x, names, n, guard=True):
-    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own decoded)``."""
+    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own payload)``."""
     if comp.linear:
 
         def summed(scale):
@@ -77,18 +77,16 @@ def gathered_mean(comp, key, x, names, n, guard=True):
 
         total, payload = summed(1.0)
         if not guard:
-            return total / n, comp.decompress(payload)
+            return total / n, payload
         # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
-        return mean_without_overflow(total, lambda s: summed(s)[0], n), comp.decompress(payload)
+        return mean_without_overflow(total, lambda s: summed(s)[0], n), payload
     payload = compress_message(comp, collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
     gathered = collectives.all_gather(payload, names)
     total = decoded_sum(comp, gathered, n)
     if not guard:
-        return total / n, comp.decompress(payload)
-    return mean_without_overflow(
-        total, lambda s: decoded_sum(comp, gathered, n, s), n
-    ), comp.decompress(payload)
+        return total / n, payload
+    return mean_without_overflow(total, lambda s: decoded_sum(comp, gathered, n, s), n), payload
 
 
 def summed_mean(comp, key, flat, names, n, guard=True):

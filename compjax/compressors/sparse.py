@@ -22,7 +22,7 @@ import numpy as np
 from compjax.compressor import Compressor, dtype_max, raw_key
 from compjax.compressors import selection
 from compjax.draws import bernoulli
-from compjax.numerics import divide, round_to
+from compjax.numerics import divide, round_to, to_dtype
 
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -120,8 +120,33 @@ class Sparsifier(Compressor):
         scaled = dense * scale
         return jnp.where(jnp.isfinite(dense), jnp.clip(scaled, -_F32_MAX, _F32_MAX), scaled)
 
+    def entries(self, wire, side, n):
+        """The kept entries as sent: their indices (``n`` in an unused slot) and values."""
+        return wire["indices"], wire["values"]
+
     def decode(self, wire, side, n, dtype):
-        return self.scatter(wire["indices"], wire["values"], n)
+        return self.scatter(*self.entries(wire, side, n), n)
+
+    def subtract_decoded(self, payload, y):
+        """``y - decompress(payload)`` as ``y`` with its kept entries' decodes subtracted.
+
+        A gather and a scatter of the ``k`` slots, where decoding writes a
+        dense array of zeros that the subtraction reads again (two passes
+        over ``d`` entries saved).  The same values: elsewhere ``y - 0 = y``
+        (``-0``, Inf and NaN included), and a kept entry's decode is its
+        value on the payload's dtype, as :meth:`compjax.Compressor.finish`
+        rounds it.  Rescaled messages (unbiased random-k) decode and subtract.
+        """
+        shape, dtype = tuple(payload.meta[0]), payload.meta[1]
+        n = math.prod(shape)
+        if self.scale(n) != 1.0 or tuple(y.shape) != shape:
+            return super().subtract_decoded(payload, y)
+        idx, values = self.entries(payload.wire, payload.side, n)
+        out = jnp.result_type(y.dtype, dtype)
+        decoded = to_dtype(values.astype(jnp.float32), dtype).astype(out)
+        flat = y.reshape(-1).astype(out)
+        kept = flat.at[idx].get(mode="fill", fill_value=0)
+        return flat.at[idx].set(kept - decoded, mode="drop").reshape(shape)
 
     def value_bits(self, d: int, dtype) -> int:
         return self.slots(d) * np.dtype(dtype).itemsize * 8
@@ -227,11 +252,11 @@ class RandK(Sparsifier):
             return {"values": values}, {"key": index_key}
         return {"indices": idx, "values": values}, {}
 
-    def decode(self, wire, side, n, dtype):
+    def entries(self, wire, side, n):
         if not self.shared_seed:
-            return super().decode(wire, side, n, dtype)
-        idx = self.indices(side["key"], jnp.zeros((n,)), self.k_for(n))
-        return self.scatter(idx, wire["values"], n)
+            return super().entries(wire, side, n)
+        # Both ends draw the indices from the shared key.
+        return self.indices(side["key"], jnp.zeros((n,)), self.k_for(n)), wire["values"]
 
     def omega(self, d):
         if not self.scaled:

@@ -97,7 +97,7 @@ def error_compensated_mean(comp, key, x, error, memory, axis_name, exchange):
     """
     compensated = x + error
     sent = compressed_mean(comp, key, compensated, axis_name, exchange, memory)
-    new_error = compensated - sent.local.astype(jnp.float32)
+    new_error = sent.residual(compensated).astype(jnp.float32)
     return sent.mean.astype(jnp.float32), new_error, sent.memory
 
 

@@ -218,7 +218,7 @@ def diloco(
                 p = p + (e if error_decay == 1.0 else jnp.asarray(error_decay, e.dtype) * e)
             sent = compressed_mean(comp, k, p, axis_name, exchange, m)
             means.append(sent.mean)
-            new_errors.append(p - sent.local if keep_error else e)
+            new_errors.append(sent.residual(p) if keep_error else e)
             new_memories.append(sent.memory)
         delta = jax.tree.unflatten(jax.tree.structure(state.global_params), means)
         outer_updates, outer_state = outer.update(delta, state.outer_state, state.global_params)

@@ -115,7 +115,7 @@ def error_feedback(
             p = g + e  # in the state's precision; sent in the gradient's dtype
             sent = compressed_mean(comp, k, p.astype(g.dtype), axis_name, exchange, m)
             out.append(sent.mean)
-            new_errors.append(p - sent.local)
+            new_errors.append(sent.residual(p))
             new_memories.append(sent.memory)
         new_state = ErrorFeedbackState(
             key=key,

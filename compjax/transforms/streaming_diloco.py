@@ -213,7 +213,7 @@ def streaming_diloco(
             sent = compressed_mean(comp, keys[i], p, axis_name, exchange, memories[j])
             means.append(sent.mean)
             if keep_error:
-                errors[j] = p - sent.local
+                errors[j] = sent.residual(p)
             memories[j] = sent.memory
         outer_updates, outer_state = outer.update(means, outer_state, theta)
         return optax.apply_updates(theta, outer_updates), outer_state, errors, memories
