@@ -1,7 +1,8 @@
 """Error feedback's residual ``p - C(p)`` from the worker's own message.
 
-``Compressor.subtract_decoded`` (a sparse message subtracts its kept entries
-from ``y``, with no dense decode) and ``Exchanged.residual`` must give the
+``Compressor.subtract_decoded`` (a sparse message, top-k, random-k or
+SparseLoCo's chunked top-k, subtracts its kept entries from ``y``, with no
+dense decode) and ``Exchanged.residual`` must give the
 very values of ``y - decompress(payload)`` and ``y - local``: bit for bit,
 with NaN, infinities, ``-0`` and low-precision messages.
 """
@@ -25,6 +26,8 @@ COMPRESSORS = {
     "rand_k unscaled": compjax.rand_k(ratio=0.1, scaled=False),
     "rand_k shared seed": compjax.rand_k(ratio=0.1, scaled=False, shared_seed=True),
     "rand_k scaled (decodes)": compjax.rand_k(ratio=0.1),
+    "chunked_top_k 2-bit": compjax.chunked_top_k(k=3, chunk=40),  # the last chunk padded
+    "chunked_top_k float32": compjax.chunked_top_k(k=3, chunk=40, bits=None),
     "scaled_sign (decodes)": compjax.scaled_sign(),
 }
 DTYPES = {  # (message, y): error feedback sends bf16 gradients and keeps a float32 memory

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax.compressor import Compressor, safe_norm
+from compjax.compressors.sparse import subtract_entries
 from compjax.numerics import ldexp, unit_scale
 from compjax.packing import code_width, pack, packed_bits, unpack
 
@@ -129,7 +130,9 @@ class ChunkedTopK(Compressor):
             wire["codes"], wire["table"] = pack(codes, self.value_bits), table
         return wire, {}
 
-    def decode(self, wire, side, n, dtype):
+    def entries(self, wire, n: int) -> tuple[jax.Array, jax.Array]:
+        """The kept entries' flat positions (those in the last chunk's padding ``>= n``) and
+        decoded float32 values."""
         size, count, kept = chunk_layout(n, self.chunk, self.k)
         width = code_width(max(size - 1, 0))
         idx = unpack(wire["indices"], width, count * kept).astype(jnp.int32)
@@ -138,8 +141,18 @@ class ChunkedTopK(Compressor):
         else:
             vals = wire["table"][unpack(wire["codes"], self.value_bits, count * kept)]
         starts = jnp.repeat(jnp.arange(count, dtype=jnp.int32) * size, kept)
-        out = jnp.zeros(count * size, jnp.float32).at[starts + idx].set(vals)
-        return out[:n]
+        return starts + idx, vals
+
+    def decode(self, wire, side, n, dtype):
+        size, count, _ = chunk_layout(n, self.chunk, self.k)
+        idx, vals = self.entries(wire, n)
+        return jnp.zeros(count * size, jnp.float32).at[idx].set(vals)[:n]
+
+    def subtract_decoded(self, payload, y):
+        """``y - decompress(payload)`` from the kept entries (:func:`.sparse.subtract_entries`)."""
+        if tuple(y.shape) != tuple(payload.meta[0]):
+            return super().subtract_decoded(payload, y)
+        return subtract_entries(payload, y, *self.entries(payload.wire, math.prod(y.shape)))
 
     def delta(self, d):
         # Float32 values: top-k of each chunk keeps at least kept/size of its energy.

@@ -64,6 +64,25 @@ def dither(key, values: jax.Array, scale: float) -> jax.Array:
     return jnp.where(bracket, jnp.where(bernoulli(key, p), hi, lo), values)
 
 
+def subtract_entries(payload, y: jax.Array, idx: jax.Array, values: jax.Array) -> jax.Array:
+    """``y - decompress(payload)`` for a message that decodes to ``values`` at the flat
+    positions ``idx`` (distinct; any ``>= y.size`` is an unused slot) and to 0 elsewhere.
+
+    A gather and a scatter of the ``k`` slots, where decoding writes a dense
+    array of zeros that the subtraction reads again (two passes over ``d``
+    entries saved): error feedback's residual.  The same values as decoding
+    and subtracting: elsewhere ``y - 0 = y`` (``-0``, Inf and NaN included),
+    and a kept entry's decode is its value on the payload's dtype, as
+    :meth:`compjax.Compressor.finish` rounds it.  ``y`` has the payload's shape.
+    """
+    shape, dtype = tuple(payload.meta[0]), payload.meta[1]
+    out = jnp.result_type(y.dtype, dtype)
+    decoded = to_dtype(values.astype(jnp.float32), dtype).astype(out)
+    flat = y.reshape(-1).astype(out)
+    kept = flat.at[idx].get(mode="fill", fill_value=0)
+    return flat.at[idx].set(kept - decoded, mode="drop").reshape(shape)
+
+
 def _check_k_ratio(k, ratio) -> None:
     if (k is None) == (ratio is None):
         raise ValueError(f"give exactly one of k and ratio, got k={k!r}, ratio={ratio!r}")
@@ -128,25 +147,14 @@ class Sparsifier(Compressor):
         return self.scatter(*self.entries(wire, side, n), n)
 
     def subtract_decoded(self, payload, y):
-        """``y - decompress(payload)`` as ``y`` with its kept entries' decodes subtracted.
+        """``y - decompress(payload)``: :func:`subtract_entries` of the kept entries.
 
-        A gather and a scatter of the ``k`` slots, where decoding writes a
-        dense array of zeros that the subtraction reads again (two passes
-        over ``d`` entries saved).  The same values: elsewhere ``y - 0 = y``
-        (``-0``, Inf and NaN included), and a kept entry's decode is its
-        value on the payload's dtype, as :meth:`compjax.Compressor.finish`
-        rounds it.  Rescaled messages (unbiased random-k) decode and subtract.
+        Rescaled messages (unbiased random-k) decode and subtract.
         """
-        shape, dtype = tuple(payload.meta[0]), payload.meta[1]
-        n = math.prod(shape)
-        if self.scale(n) != 1.0 or tuple(y.shape) != shape:
+        n = math.prod(payload.meta[0])
+        if self.scale(n) != 1.0 or tuple(y.shape) != tuple(payload.meta[0]):
             return super().subtract_decoded(payload, y)
-        idx, values = self.entries(payload.wire, payload.side, n)
-        out = jnp.result_type(y.dtype, dtype)
-        decoded = to_dtype(values.astype(jnp.float32), dtype).astype(out)
-        flat = y.reshape(-1).astype(out)
-        kept = flat.at[idx].get(mode="fill", fill_value=0)
-        return flat.at[idx].set(kept - decoded, mode="drop").reshape(shape)
+        return subtract_entries(payload, y, *self.entries(payload.wire, payload.side, n))
 
     def value_bits(self, d: int, dtype) -> int:
         return self.slots(d) * np.dtype(dtype).itemsize * 8
