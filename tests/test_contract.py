@@ -265,3 +265,24 @@ def test_compressing_a_kernel_does_not_copy_it(comp):
     x = jax.ShapeDtypeStruct((256, 128, 3, 3), jnp.float32)
     compiled = jax.jit(comp.compress).lower(jax.random.key(0), x).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 0.25 * x.size * 4
+
+
+@pytest.mark.parametrize("name", ["sign()", "terngrad()", "int_quant(bits=4)", "top_k(ratio=0.01)"])
+def test_a_conv_kernels_codec_runs_on_the_flat_array(name):
+    """Compress and decompress of an ``(O, I, 1, 1)`` kernel keep their work 1-D: the reshapes
+    sit behind optimisation barriers (``flatten``, ``unflatten``), which XLA cannot move the
+    elementwise work past.  (Indexed by the 4-D shape, a CPU reduction or decode runs several
+    times slower: ``make bench``'s ResNet-50 tree.)"""
+    comp = COMPRESSORS[name]
+    x = jax.ShapeDtypeStruct((64, 32, 1, 1), jnp.float32)
+    key = jax.random.key(0)
+    encode = jax.jit(comp.compress).lower(key, x).as_text()
+    payload = jax.eval_shape(comp.compress, key, x)
+    decode = jax.jit(comp.decompress).lower(payload).as_text()
+    assert "optimization_barrier" in encode
+    assert "optimization_barrier" in decode
+    flat = jax.ShapeDtypeStruct((2048,), jnp.float32)  # nothing to keep 1-D
+    assert (
+        "optimization_barrier"
+        not in jax.jit(comp.decompress).lower(jax.eval_shape(comp.compress, key, flat)).as_text()
+    )

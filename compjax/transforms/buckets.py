@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import flatten
+from compjax.compressor import flatten, unflatten
 from compjax.pieces import Pieces
 
 
@@ -103,7 +103,7 @@ class Buckets:
                 start = int(self._starts[i]) + lo - a
                 parts[i].append(bucket[start : start + hi - lo])
         leaves = [
-            (jnp.concatenate(p) if len(p) > 1 else p[0]).reshape(shape).astype(dtype)
+            unflatten((jnp.concatenate(p) if len(p) > 1 else p[0]).astype(dtype), shape)
             if p
             else jnp.zeros(shape, dtype)
             for p, (shape, dtype) in zip(parts, self._shapes, strict=True)
