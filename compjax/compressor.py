@@ -188,20 +188,21 @@ class Compressor:
     # (:func:`compjax.scatter.compress_blocks`).
     branches: ClassVar[bool] = False
 
-    @property
-    def flat_barrier(self) -> bool:
-        """Whether ``compress`` keeps the flattened input 1-D for XLA (:func:`flatten`).
+    def flat_barrier(self, shape: tuple[int, ...]) -> bool:
+        """Whether ``compress`` keeps the flattened input of ``shape`` 1-D for XLA
+        (:func:`flatten`).
 
         Compressors that reshape the flat input into rows themselves (QSGD's
-        buckets) turn it off: behind the barrier a row view of a kernel is a
-        copy of it.
+        buckets) keep it only where their rows would cut across ``shape``'s
+        last dimensions: behind the barrier a row view of a kernel is a copy
+        of it, and without it XLA indexes the rows by the kernel's shape.
         """
         return True
 
     # -- the wire -----------------------------------------------------------
     def compress(self, key, x) -> Payload:
         x = self.check(key, x)
-        flat = flatten(x) if self.flat_barrier else x.reshape(-1)
+        flat = flatten(x) if self.flat_barrier(x.shape) else x.reshape(-1)
         if not self.keeps_dtype:
             flat = flat.astype(jnp.float32)
         wire, side = self.encode(key, flat, x.dtype)
