@@ -171,7 +171,8 @@ class Exchanged:
     local: jax.Array | list[jax.Array]
     memory: jax.Array | None = None
     #: ``(compressor, payload)`` where ``local`` is the decode of this worker's own
-    #: message (one worker, and the all-gather of a whole array); else ``None``.
+    #: message (one worker; a whole array all-gathered, or psummed by a linear
+    #: compressor); else ``None`` (scatter-gather, hierarchical, pieces, summable).
     message: tuple[Compressor, Payload] | None = None
 
     def residual(self, y: jax.Array) -> jax.Array:
