@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax.numerics import divide, ldexp, to_dtype, unit_scale
+from compjax.numerics import flatten as flatten
 from compjax.payload import Payload
 from compjax.pieces import Pieces, split
 
@@ -115,18 +116,6 @@ def safe_norm(x: jax.Array, axis=None) -> jax.Array:
 def safe_divide(a: jax.Array, b: jax.Array) -> jax.Array:
     """``a / b`` with 0 wherever ``b == 0``, exact in range (:func:`compjax.numerics.divide`)."""
     return divide(a, b)
-
-
-def flatten(x: jax.Array) -> jax.Array:
-    """``x.reshape(-1)``, kept 1-D for XLA.
-
-    XLA would otherwise move the reshape past the elementwise work and run
-    every loop and reduction on ``x``'s own shape; for conv kernels such as
-    ``(2048, 1024, 1, 1)`` that makes a CPU reduction several times slower.
-    The optimisation barrier keeps the (free) reshape where it is.
-    """
-    flat = x.reshape(-1)
-    return jax.lax.optimization_barrier(flat) if x.ndim > 1 else flat
 
 
 def unflatten(flat: jax.Array, shape) -> jax.Array:

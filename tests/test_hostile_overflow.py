@@ -17,6 +17,7 @@ import pytest
 
 import compjax
 from compjax.numerics import mean_of_sum
+from compjax.overflow import mean_without_overflow
 from compjax.transforms.powersgd import orthogonalize
 
 WORKERS = 4
@@ -128,6 +129,38 @@ def test_mean_of_sum_is_total_over_n_unless_it_overflowed():
     poisoned = values.at[0, 1].set(jnp.inf)
     out = mean_of_sum(jnp.sum(poisoned, axis=0), lambda s: jnp.sum(poisoned * s, axis=0), 3)
     assert not np.isfinite(np.asarray(out)[1])
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_mean_without_overflow_is_total_over_n_unless_it_overflowed_and_keeps_no_copy(workers):
+    """``overflow.mean_without_overflow`` (every exchange's mean) equals ``total / n`` bit for
+    bit where the sum is finite, the rescaled sum where it overflowed, and a poisoned term
+    stays non-finite, also under ``vmap`` with one worker overflowing.  Its ``while_loop``
+    carries the sum in place and the division fuses with the caller: compiled, the function
+    below keeps no temporary array (a carried ``total / n`` was one more, with its pass)."""
+    values = jnp.asarray([[1.0, 3e38, -TOP], [2.0, 3e38, -TOP], [4.0, 3e38, -TOP]], jnp.float32)
+    values = values[:, :1] if workers == 1 else values
+
+    def mean(values):
+        return mean_without_overflow(jnp.sum(values, 0), lambda s: jnp.sum(values * s, 0), 3)
+
+    got = np.asarray(jax.jit(mean)(values))
+    np.testing.assert_array_equal(
+        got[:1], np.asarray(jax.jit(lambda v: jnp.sum(v, 0) / 3)(values))[:1]
+    )
+    if workers > 1:
+        np.testing.assert_allclose(got, [7 / 3, 3e38, -TOP], rtol=1e-7)
+        assert not np.isfinite(np.asarray(mean(values.at[0, 1].set(jnp.nan)))[1])
+        stacked = jnp.stack([values[:, :1] * np.float32(0.5), values[:, 1:2]])
+        each = np.asarray(jax.jit(jax.vmap(mean))(stacked))
+        np.testing.assert_allclose(each[:, 0], [7 / 6, 3e38], rtol=1e-7)
+    x = jax.ShapeDtypeStruct((1 << 16,), jnp.float32)
+
+    def step(a, b):
+        return mean_without_overflow(a + b, lambda s: a * s + b * s, 8) * 0.5 + a
+
+    memory = jax.jit(step).lower(x, x).compile().memory_analysis()
+    assert memory.temp_size_in_bytes < 0.01 * x.size * 4
 
 
 def test_under_shard_map_near_the_limit():

@@ -311,3 +311,12 @@ def test_all_finite_is_one_sum_that_keeps_every_inf_and_nan(dtype):
         for bad in (jnp.inf, -jnp.inf, jnp.nan):
             for where in ((0, 0), (1, 517), (2, 999)):
                 assert not bool(check(base.at[where].set(bad)))
+
+
+def test_all_finite_sums_the_flat_array():
+    """The finite check of a matrix reduces its 1-D view (the reshape behind an optimisation
+    barrier): over the matrix's shape, inside a training step, XLA's CPU backend split the
+    sum into 32 x 32 windows for a slower YNNPACK fusion (``make bench``'s MLP step)."""
+    hlo = jax.jit(numerics.all_finite).lower(jax.ShapeDtypeStruct((96, 64), jnp.float32))
+    reduces = [ln for ln in hlo.compile().as_text().splitlines() if " reduce(" in ln]
+    assert reduces and all("dimensions={0}" in ln for ln in reduces), reduces
