@@ -174,6 +174,11 @@ class Exchanged:
     #: message (one worker; a whole array all-gathered, or psummed by a linear
     #: compressor); else ``None`` (scatter-gather, hierarchical, pieces, summable).
     message: tuple[Compressor, Payload] | None = None
+    #: Whether ``mean`` is finite (a scalar), where the overflow check already
+    #: knows (:func:`compjax.overflow.once_more_if_not_finite`): the guard then
+    #: skips its own pass over the mean (:func:`compjax.transforms.guards.guarded`).
+    #: ``None`` on one worker and where the mean is unrotated after the check.
+    finite: jax.Array | None = None
 
     def residual(self, y: jax.Array) -> jax.Array:
         """``y - local`` (``y`` of ``local``'s shape): what error feedback keeps.
@@ -248,14 +253,16 @@ def _exchanged_pieces(comp, key, pieces: Pieces, names, fast, kind, memory) -> E
         return Exchanged(mean=local, local=local, memory=memory)
     if fast or not (summable(comp) or comp.linear or kind == "all_gather"):
         out = _exchanged(comp, key, pieces.join(), names, fast, kind, memory, guard=True)
-        return Exchanged(split(out.mean, sizes), split(out.local, sizes), out.memory)
+        return Exchanged(
+            split(out.mean, sizes), split(out.local, sizes), out.memory, finite=out.finite
+        )
     if summable(comp):
-        mean, local = summed_mean(comp, key, pieces, names, n)
+        mean, local, finite = summed_mean(comp, key, pieces, names, n)
     else:
-        mean, own = gathered_mean(comp, key, pieces, names, n)
+        mean, own, finite = gathered_mean(comp, key, pieces, names, n)
         local = comp.decompress(own)
     as_pieces = lambda a: split(to_dtype(a, pieces.dtype), sizes)  # noqa: E731
-    return Exchanged(mean=as_pieces(mean), local=as_pieces(local), memory=memory)
+    return Exchanged(as_pieces(mean), as_pieces(local), memory, finite=finite)
 
 
 def _exchanged(comp, key, x, names, fast, kind, memory, guard):
@@ -273,17 +280,17 @@ def _exchanged(comp, key, x, names, fast, kind, memory, guard):
     message = None
     if fast:
         slow = tuple(a for a in names if a not in fast)
-        mean, local, memory = guarded(
+        mean, local, memory, finite = guarded(
             lambda xs, ms: _hierarchical(comp, key, xs, ms, slow, fast, kind), x, memory, n
         )
     elif summable(comp):
-        mean, local = summed_mean(comp, key, x.reshape(-1), names, n, guard)
+        mean, local, finite = summed_mean(comp, key, x.reshape(-1), names, n, guard)
     elif comp.linear or kind == "all_gather":
-        mean, own = gathered_mean(comp, key, x, names, n, guard)
+        mean, own, finite = gathered_mean(comp, key, x, names, n, guard)
         local, message = comp.decompress(own), (comp, own)
     else:
         flat_memory = None if memory is None else memory.reshape(-1)
-        mean, local, memory = guarded(
+        mean, local, memory, finite = guarded(
             lambda xs, ms: scatter_gathered(comp, key, xs, ms, names, n),
             x.reshape(-1),
             flat_memory,
@@ -294,13 +301,13 @@ def _exchanged(comp, key, x, names, fast, kind, memory, guard):
     # The memory keeps the precision it was computed in (float32 for a bfloat16 x):
     # rounding it to x's dtype would drop small residuals every step.
     memory = None if memory is None else memory.reshape(x.shape)
-    return Exchanged(mean=as_x(mean), local=as_x(local), memory=memory, message=message)
+    return Exchanged(as_x(mean), as_x(local), memory, message, finite)
 
 
 def _unguarded(run, x, memory, n):
-    """``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory)``, unguarded."""
+    """``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory, None)``."""
     total, local, memory = run(x, memory)
-    return total / n, local, memory
+    return total / n, local, memory, None
 
 
 def compressed_reduce_scatter(

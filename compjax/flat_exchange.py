@@ -66,7 +66,11 @@ def _times(x, scale: float):
 
 
 def gathered_mean(comp, key, x, names, n, guard=True):
-    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own payload)``."""
+    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own payload, finite)``.
+
+    ``finite``: whether the mean is finite, from the overflow check
+    (:func:`compjax.overflow.mean_without_overflow`); ``None`` unguarded.
+    """
     if comp.linear:
 
         def summed(scale):
@@ -77,26 +81,30 @@ def gathered_mean(comp, key, x, names, n, guard=True):
 
         total, payload = summed(1.0)
         if not guard:
-            return total / n, payload
+            return total / n, payload, None
         # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
-        return mean_without_overflow(total, lambda s: summed(s)[0], n), payload
+        mean, finite = mean_without_overflow(total, lambda s: summed(s)[0], n)
+        return mean, payload, finite
     payload = compress_message(comp, collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
     gathered = collectives.all_gather(payload, names)
     total = decoded_sum(comp, gathered, n)
     if not guard:
-        return total / n, payload
-    return mean_without_overflow(total, lambda s: decoded_sum(comp, gathered, n, s), n), payload
+        return total / n, payload, None
+    mean, finite = mean_without_overflow(total, lambda s: decoded_sum(comp, gathered, n, s), n)
+    return mean, payload, finite
 
 
 def summed_mean(comp, key, flat, names, n, guard=True):
-    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded)``.
+    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded, finite)``.
 
     A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
     signs from ``key``, which all workers share: the rotation is linear, so
     the summed codes are unrotated once.  ``flat`` may be in
     :class:`compjax.pieces.Pieces`, which the summable protocol's
-    ``rotate_in``, ``scale_of`` and ``encode_words`` take.
+    ``rotate_in``, ``scale_of`` and ``encode_words`` take.  ``finite``: whether
+    the mean is finite, from the overflow check; ``None`` unguarded or rotating
+    (the unrotation of a finite mean can overflow).
     """
     d = flat.shape[0]
     flat = comp.rotate_in(key, flat)
@@ -107,13 +115,14 @@ def summed_mean(comp, key, flat, names, n, guard=True):
     m = flat.shape[0]
     summed = collectives.psum(words, names)
     total = comp.decode_words(summed, scale, n, n, m)
-    mean = (
+    mean, finite = (
         mean_without_overflow(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
         if guard
-        else total / n
+        else (total / n, None)
     )
     own = comp.decode_words(words, scale, 1, n, m)
-    return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d)
+    finite = None if getattr(comp, "rotate", False) else finite
+    return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d), finite
 
 
 def scatter_gathered(comp, key, flat, memory, names, n):

@@ -47,14 +47,15 @@ def scaled_back(a: jax.Array, factor: float) -> jax.Array:
     return jnp.where(jnp.isfinite(a), jnp.clip(a * factor, -top, top), a)
 
 
-def mean_without_overflow(total: jax.Array, rescaled, n: int) -> jax.Array:
-    """``total / n`` of the float32 sum ``total`` over ``n`` workers, without overflow.
+def mean_without_overflow(total: jax.Array, rescaled, n: int) -> tuple[jax.Array, jax.Array]:
+    """``(total / n, finite)`` of the float32 sum ``total`` over ``n`` workers, without overflow.
 
     Where the sum overflowed (it is exact, bit for bit, wherever it did
     not), ``rescaled(2**-k)``, the same sum of the workers' values times
     ``2**-k`` (:func:`prescale`), times ``2**k / n``: only on steps where
-    some entry overflowed (``lax.cond``; nothing extra is sent otherwise, and
-    a resent message is not logged as traffic).
+    some entry overflowed (:func:`once_more_if_not_finite`; nothing extra is
+    sent otherwise, and a resent message is not logged as traffic).
+    ``finite`` says whether the mean is finite (a scalar).
     """
     down, up = prescale(n)
 
@@ -63,34 +64,44 @@ def mean_without_overflow(total: jax.Array, rescaled, n: int) -> jax.Array:
         with collectives.unrecorded():
             return (jnp.where(jnp.isfinite(total), total / n, scaled_back(rescaled(down), up)),)
 
-    retry, (out,) = once_more_if_not_finite(total, (total,), again)
-    return jnp.where(retry, out, out / n)
+    retry, (out,), finite = once_more_if_not_finite(total, (total,), again)
+    return jnp.where(retry, out, out / n), finite
 
 
 def once_more_if_not_finite(total: jax.Array, first, again):
-    """``(retry, first)``, or ``(retry, again(first))`` on a step where ``total`` has an Inf or NaN.
+    """``(retry, result, finite)``: ``again(first)`` if ``total`` has an Inf or NaN, else ``first``.
 
-    ``retry`` says which.  A ``while_loop`` whose body runs at most once (and,
-    under ``vmap``, only on steps where some worker's ``total`` is not
-    finite): see the module docstring.  The loop carries ``first`` and the
-    body reads it from the carry, so XLA keeps ``first``'s buffers in place;
-    the callers carry the sum itself and divide after the loop, where the
-    division fuses with what reads the mean (the guard's select, the
-    optimiser's update).  (Carrying ``total / n`` cost one more pass over
-    every array, and a body reading ``total`` from outside the loop a copy:
-    together 9 ms of ``make bench``'s 69 ms sign MLP step.)
+    ``retry`` says which.  ``finite`` says whether the mean (the result's
+    first array, ``total / n`` when not retried) is finite: ``not retry``, or
+    on a retried step the check of ``again``'s mean, made in the loop's body,
+    so that the guard need not read the mean again
+    (:attr:`compjax.exchange.Exchanged.finite`).
+
+    A ``while_loop`` whose body runs at most once (and, under ``vmap``, only
+    on steps where some worker's ``total`` is not finite): see the module
+    docstring.  The loop carries ``first`` and the body reads it from the
+    carry, so XLA keeps ``first``'s buffers in place; the callers carry the
+    sum itself and divide after the loop, where the division fuses with what
+    reads the mean (the guard's select, the optimiser's update).  (Carrying
+    ``total / n`` cost one more pass over every array, and a body reading
+    ``total`` from outside the loop a copy: together 9 ms of ``make bench``'s
+    69 ms sign MLP step.)
     """
     retry = jnp.logical_not(numerics.all_finite(total))
 
     def body(carry):
-        retry, carried = carry
-        return jnp.logical_and(retry, False), again(carried)
+        retry, carried, _ = carry
+        out = again(carried)
+        return jnp.logical_and(retry, False), out, numerics.all_finite(out[0])
 
-    return retry, jax.lax.while_loop(lambda carry: carry[0], body, (retry, first))[1]
+    _, out, finite = jax.lax.while_loop(
+        lambda carry: carry[0], body, (retry, first, jnp.logical_not(retry))
+    )
+    return retry, out, finite
 
 
 def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
-    """A whole exchange ``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory)``.
+    """An exchange ``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory, ok)``.
 
     If its float32 sum overflows anywhere, the exchange is run again on ``x``
     and ``memory`` times ``2**-(k + HEADROOM)`` (:func:`prescale`, exact
@@ -98,6 +109,7 @@ def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
     headroom for float16) and its
     results scaled back (the mean by ``2**(k + HEADROOM) / n``, ``local`` and
     the memory by ``2**(k + HEADROOM)``, saturating at float32's largest value).
+    ``ok`` says whether the mean is finite (:func:`once_more_if_not_finite`).
     """
     run = jax.jit(run)  # called twice on the same types: traced once
     total, local, new_memory = run(x, memory)
@@ -115,7 +127,7 @@ def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
         return scaled_back(t, up), lo, m
 
     # On a retry the loop's first value is the mean itself; otherwise the sum.
-    retry, (out, local, new_memory) = once_more_if_not_finite(
+    retry, (out, local, new_memory), finite = once_more_if_not_finite(
         total, (total, local, new_memory), again
     )
-    return jnp.where(retry, out, out / n), local, new_memory
+    return jnp.where(retry, out, out / n), local, new_memory, finite

@@ -465,3 +465,46 @@ def test_all_to_all_of_a_value_shared_by_every_worker():
     )
     assert shared.shape == (2, 2, 2, 3)
     np.testing.assert_array_equal(shared, copies)
+
+
+@pytest.mark.parametrize(
+    "comp",
+    [compjax.scaled_sign(), compjax.cast("bfloat16"), compjax.int_quant(bits=4), TOP_K],
+    ids=repr,
+)
+@pytest.mark.parametrize("name", ["all_gather", "scatter_gather", "hierarchical(all_gather)"])
+def test_the_exchanges_finite_flag_says_whether_the_mean_is_finite(comp, name):
+    """``Exchanged.finite`` (the overflow check's verdict, which the guard trusts instead of
+    reading the mean again) is set on every exchange of several workers and agrees with the
+    mean: true for finite gradients, false where one worker's Inf reaches the mean."""
+    axes, exchange = EXCHANGES.get(name, (("data",), name))
+
+    def one(x):
+        memory = jnp.zeros_like(x) if keeps_memory(comp, exchange) else None
+        out = compressed_mean(comp, jax.random.key(3), x, axis_arg(axes), exchange, memory)
+        return out.mean, out.finite
+
+    run = jax.jit(nested_vmap(one, axes))
+    x = normal(62, shape_for(axes, D))
+    for gradient, finite in ((x, True), (x.at[(0,) * len(axes) + (4,)].set(jnp.inf), False)):
+        mean, flag = run(gradient)
+        assert np.all(np.isfinite(mean)) == finite
+        np.testing.assert_array_equal(flag, np.full(flag.shape, finite))
+
+
+def test_guarded_trusts_a_known_flag_and_checks_the_rest():
+    """``guarded(..., finite=...)``: an update with a flag is not read again (a false flag
+    refuses the step, keeping the old state); an update without one is checked."""
+    from compjax.transforms.guards import Check, guarded
+
+    ok, state, old = jnp.ones(3), {"m": jnp.full(2, 2.0)}, {"m": jnp.zeros(2)}
+    check = Check(jnp.bool_(False), None)
+    out, new = guarded(check, [ok, ok], state, old, [jnp.bool_(True), None])
+    assert np.all(np.asarray(out[0]) == 1) and np.all(np.asarray(new["m"]) == 2)
+    out, new = guarded(check, [ok, ok], state, old, [jnp.bool_(False), None])
+    assert np.all(np.isnan(out[0])) and np.all(np.asarray(new["m"]) == 0)
+    out, new = guarded(check, [ok, ok.at[1].set(jnp.nan)], state, old, [jnp.bool_(True), None])
+    assert np.all(np.isnan(out[0])) and np.all(np.asarray(new["m"]) == 0)
+    unread = ok.at[0].set(jnp.inf)  # flagged finite: trusted, not read
+    out, new = guarded(check, [unread], state, old, [jnp.bool_(True)])
+    assert np.asarray(out[0])[0] == np.inf and np.all(np.asarray(new["m"]) == 2)

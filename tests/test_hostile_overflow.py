@@ -135,29 +135,35 @@ def test_mean_of_sum_is_total_over_n_unless_it_overflowed():
 def test_mean_without_overflow_is_total_over_n_unless_it_overflowed_and_keeps_no_copy(workers):
     """``overflow.mean_without_overflow`` (every exchange's mean) equals ``total / n`` bit for
     bit where the sum is finite, the rescaled sum where it overflowed, and a poisoned term
-    stays non-finite, also under ``vmap`` with one worker overflowing.  Its ``while_loop``
-    carries the sum in place and the division fuses with the caller: compiled, the function
-    below keeps no temporary array (a carried ``total / n`` was one more, with its pass)."""
+    stays non-finite, also under ``vmap`` with one worker overflowing; its flag says whether
+    the mean is finite (what the guard then skips reading).  Its ``while_loop`` carries the
+    sum in place and the division fuses with the caller: compiled, the function below keeps
+    no temporary array (a carried ``total / n`` was one more, with its pass)."""
     values = jnp.asarray([[1.0, 3e38, -TOP], [2.0, 3e38, -TOP], [4.0, 3e38, -TOP]], jnp.float32)
     values = values[:, :1] if workers == 1 else values
 
+    @jax.jit
     def mean(values):
         return mean_without_overflow(jnp.sum(values, 0), lambda s: jnp.sum(values * s, 0), 3)
 
-    got = np.asarray(jax.jit(mean)(values))
+    got, finite = mean(values)
+    assert bool(finite)
     np.testing.assert_array_equal(
-        got[:1], np.asarray(jax.jit(lambda v: jnp.sum(v, 0) / 3)(values))[:1]
+        np.asarray(got)[:1], np.asarray(jax.jit(lambda v: jnp.sum(v, 0) / 3)(values))[:1]
     )
     if workers > 1:
         np.testing.assert_allclose(got, [7 / 3, 3e38, -TOP], rtol=1e-7)
-        assert not np.isfinite(np.asarray(mean(values.at[0, 1].set(jnp.nan)))[1])
+        for bad in (jnp.nan, jnp.inf):
+            poisoned, finite = mean(values.at[0, 1].set(bad))
+            assert not np.isfinite(np.asarray(poisoned)[1]) and not bool(finite)
         stacked = jnp.stack([values[:, :1] * np.float32(0.5), values[:, 1:2]])
-        each = np.asarray(jax.jit(jax.vmap(mean))(stacked))
-        np.testing.assert_allclose(each[:, 0], [7 / 6, 3e38], rtol=1e-7)
+        each, finite = jax.jit(jax.vmap(mean))(stacked)
+        np.testing.assert_allclose(np.asarray(each)[:, 0], [7 / 6, 3e38], rtol=1e-7)
+        assert np.asarray(finite).tolist() == [True, True]
     x = jax.ShapeDtypeStruct((1 << 16,), jnp.float32)
 
     def step(a, b):
-        return mean_without_overflow(a + b, lambda s: a * s + b * s, 8) * 0.5 + a
+        return mean_without_overflow(a + b, lambda s: a * s + b * s, 8)[0] * 0.5 + a
 
     memory = jax.jit(step).lower(x, x).compile().memory_analysis()
     assert memory.temp_size_in_bytes < 0.01 * x.size * 4

@@ -105,7 +105,7 @@ def compress(
         ]
         out = [s.mean for s in sent]
         new_state = CompressState(key, server.write(leaves, [s.memory for s in sent], memories))
-        out, new_state = guarded(bad, out, new_state, state)
+        out, new_state = guarded(bad, out, new_state, state, [s.finite for s in sent])
         return leaves.rebuild(out), new_state
 
     return optax.GradientTransformation(init_fn, counted(update_fn))

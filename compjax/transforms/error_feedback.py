@@ -110,11 +110,12 @@ def error_feedback(
         errors = leaves.read(state.error, "error", per_worker=True)
         memories = server.read(leaves, state.server_error)
         key, keys = step_keys(state.key, len(leaves.arrays))
-        out, new_errors, new_memories = [], [], []
+        out, new_errors, new_memories, finite = [], [], [], []
         for k, g, e, m in zip(keys, leaves.arrays, errors, memories, strict=True):
             p = g + e  # in the state's precision; sent in the gradient's dtype
             sent = compressed_mean(comp, k, p.astype(g.dtype), axis_name, exchange, m)
             out.append(sent.mean)
+            finite.append(sent.finite)
             new_errors.append(sent.residual(p))
             new_memories.append(sent.memory)
         new_state = ErrorFeedbackState(
@@ -122,7 +123,7 @@ def error_feedback(
             error=leaves.write(cast_like(new_errors, errors), per_worker=True),
             server_error=server.write(leaves, new_memories, memories),
         )
-        out, new_state = guarded(bad, out, new_state, state)
+        out, new_state = guarded(bad, out, new_state, state, finite)
         return leaves.rebuild(out), new_state
 
     return optax.GradientTransformation(init_fn, counted(update_fn))

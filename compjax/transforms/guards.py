@@ -84,7 +84,13 @@ def any_non_finite(arrays: Sequence[jax.Array], axis_name) -> Check:
     return Check(local, axis_name)
 
 
-def guarded(check: Check, out: list[jax.Array], new_state: Any, old_state: Any):
+def guarded(
+    check: Check,
+    out: list[jax.Array],
+    new_state: Any,
+    old_state: Any,
+    finite: Sequence[jax.Array | None] | None = None,
+):
     """NaN updates and the old state if the step is refused; else the new ones.
 
     A step is refused (on every worker: one 8-bit ``pmax``) if any worker's
@@ -92,14 +98,23 @@ def guarded(check: Check, out: list[jax.Array], new_state: Any, old_state: Any):
     update or a non-finite value in the new state (float32 overflowing on
     the largest finite gradients): persistent state is never poisoned, and
     ``optax.apply_if_finite`` skips the step.
+
+    ``finite``, one per ``out``: whether that update is finite where the
+    exchange already knows it (:attr:`compjax.exchange.Exchanged.finite`), so
+    it is not read again; ``None`` (or an entry ``None``): checked here.
     """
+    known = [None] * len(out) if finite is None else list(finite)
+    unknown = [o for o, f in zip(out, known, strict=True) if f is None]
     floats = [
         a
-        for a in jax.tree.leaves(list(out)) + jax.tree.leaves(new_state)
+        for a in jax.tree.leaves(unknown) + jax.tree.leaves(new_state)
         if jnp.issubdtype(a.dtype, jnp.floating)
     ]
+    ok = all_finite(floats)
+    for f in known:
+        ok = ok if f is None else ok & f
     with unrecorded():  # logged by any_non_finite
-        bad = any_worker(check.local | ~all_finite(floats), check.axis_name)
+        bad = any_worker(check.local | ~ok, check.axis_name)
     # (A bucket's update may come in pieces, a list of arrays: each piece guarded.)
     out = [jax.tree.map(lambda a: jnp.where(bad, jnp.nan, a).astype(a.dtype), o) for o in out]
     return out, jax.tree.map(lambda n, o: jnp.where(bad, o, n), new_state, old_state)
