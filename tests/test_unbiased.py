@@ -222,3 +222,25 @@ def test_averaging_workers_divides_variance():
     mean = draws.mean(axis=1)
     expected = rand_k_variance(x, 4).sum() / n
     assert_mean_error(mean, x, expected)
+
+
+@pytest.mark.parametrize(
+    ("levels", "bucket", "d"), [(4, 8, 64), (4, 8, 61), (4, 512, 2048), (100, 6, 30)]
+)
+def test_qsgd_decodes_its_wire_as_transcribed(levels, bucket, d):
+    """QSGD's decode, read from its packed wire with numpy: code ``c`` of bucket ``r`` is
+    ``(-1)**sign * norm_r * min(level * fl(1/s), 1)``, for whole rows of whole words (decoded in
+    the codes' own 3-D shape), a partial last row, and 8-bit codes in rows of 6."""
+    comp = compjax.qsgd(levels, bucket_size=bucket)
+    x = jax.random.normal(jax.random.key(d), (d,))
+    payload = comp.compress(jax.random.key(1), x)
+    raw = np.asarray(payload.wire["codes"])
+    if comp.width == 4:
+        codes = np.stack([raw & 15, raw >> 4], axis=-1).reshape(-1)[:d].astype(np.int64)
+    else:
+        codes = raw.astype(np.int64)
+    level, sign = codes & ((1 << comp.magnitude_bits) - 1), codes >> (comp.width - 1)
+    norms = np.repeat(np.asarray(payload.wire["norms"]), bucket)[:d]
+    frac = np.where(level >= levels, 1.0, level.astype(np.float32) * np.float32(1 / levels))
+    want = np.where(sign == 1, -1, 1) * (norms * frac.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(jax.jit(comp.decompress)(payload)), want)

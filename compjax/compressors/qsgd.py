@@ -172,16 +172,23 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
 
     def decode_span(self, wire, side, offset, n, d, dtype):
         size, count = self._buckets(d)
+        if count > 1 and n % size == 0 and size * self.width % 32 == 0:
+            # Whole rows of whole words: the codes and norms in one (rows, words, codes) shape.
+            codes = packing.unpack_rows(wire["codes"], self.width, n // size)
+            return self._value(codes, wire["norms"][:, None, None]).reshape(-1)
         codes = packing.unpack(wire["codes"], self.width, n)
+        if count == 1:  # one norm: a scalar keeps the loop flat
+            return self._value(codes, wire["norms"][0])
+        rows = self._rows(codes, size)  # the last row padded with zeros, decoded to 0
+        return self._value(rows, wire["norms"][:, None]).reshape(-1)[:n]
+
+    def _value(self, codes: jax.Array, norm: jax.Array) -> jax.Array:
+        """The float32 values of sign-magnitude ``codes`` (any shape) for ``norm``."""
         level = codes & ((1 << self.magnitude_bits) - 1)
         # The sign bit moved to float32's sign: exactly ``where(negative, -value, value)``
         # (negation flips the sign bit), which XLA's CPU loops run several times slower.
         sign = (codes >> (self.width - 1)) << 31
-        if count == 1:  # one norm: a scalar keeps the loop flat
-            return _with_sign(self.grid(wire["norms"][0], level, jnp.float32), sign)
-        level = self._rows(level, size)
-        value = self.grid(wire["norms"][:, None], level, jnp.float32).reshape(-1)[:n]
-        return _with_sign(value, sign)
+        return _with_sign(self.grid(norm, level, jnp.float32), sign)
 
     def flat_barrier(self, shape):
         if self.bucket_size is None:
