@@ -241,6 +241,31 @@ def test_sign_scales_of_the_largest_entries_are_finite_and_exact(dtype):
         np.testing.assert_allclose(out, want, rtol=2e-7, err_msg=str(comp))
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e-12, 1.0, 1e12, 1e19, 3e37])
+def test_one_pass_rms_is_the_scaled_two_pass_one_or_falls_back_to_it(scale):
+    """``l2_scaled_sign``'s ``||x||_2 / sqrt(d)`` takes one pass (the plain sum of squares)
+    where no square overflows or flushes: then it equals the scaled two-pass computation bit
+    for bit; beyond (entries of ``1e19`` overflow the sum, ``1e-30`` flush) it is that
+    computation.  Over a bucket's pieces (a cut leaf, a whole one) the same, to rounding."""
+    from compjax.compressors.l2_sign import rms, rms_of_pieces, scaled_rms
+    from compjax.numerics import ldexp
+    from compjax.pieces import Pieces
+
+    x = jax.random.normal(jax.random.key(4), (3000,)) * np.float32(scale)
+
+    def two_pass(a):
+        top = jnp.max(jnp.abs(a))
+        return scaled_rms(top, lambda e: jnp.sum(jnp.square(ldexp(a, -e))), a.shape[0])
+
+    got, want = jax.jit(rms)(x), jax.jit(two_pass)(x)
+    np.testing.assert_array_equal(got, want)
+    exact = np.sqrt(np.mean(np.square(np.asarray(x, np.float64))))
+    np.testing.assert_allclose(float(got), exact, rtol=1e-6)
+    pieces = Pieces((x[:1000], x), ((200, 1000), (0, 3000)), jnp.float32)
+    joined = jnp.concatenate([x[200:1000], x])
+    np.testing.assert_allclose(jax.jit(rms_of_pieces)(pieces), rms(joined), rtol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_atomo_saturates_rescaled_values_of_the_largest_entries(dtype):
     """``x_i / p_i`` beyond the dtype's range saturates at its largest value, never Inf."""

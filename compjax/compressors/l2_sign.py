@@ -21,28 +21,68 @@ from compjax.compressors.sign import SignCodes
 from compjax.numerics import ldexp, unit_scale
 from compjax.pieces import Pieces
 
+#: A float32 sum of squares at least ``d`` times this is exact to its rounding:
+#: the squares a CPU flushes to zero (entries below ``2**-63``) add less than
+#: ``d * 2**-126``, below ``2**-24`` of it.
+_UNFLUSHED = 2.0**-102
+
 
 def rms(flat: jax.Array) -> jax.Array:
     """``||x||_2 / sqrt(d)`` of a non-empty 1-D array, finite for every finite ``x``.
 
-    Computed as ``2**e (||x 2**-e|| / sqrt(d))`` with ``2**e <= max|x| <
-    2**(e+1)`` (an exact scaling, :func:`compjax.numerics.unit_scale`) and
-    capped at ``max|x|``, which it never exceeds: ``||x||_2`` itself overflows
-    for 13 entries of ``1e38`` although their root mean square is ``1e38``.
+    One pass, ``sqrt(sum x^2 / d)``, where that sum is finite and at least
+    ``d * 2**-102`` (:data:`_UNFLUSHED`).  Otherwise (its squares overflowed,
+    or are so small that flushed subnormals would matter) :func:`scaled_rms`:
+    ``||x||_2`` itself overflows for 13 entries of ``1e38`` although their
+    root mean square is ``1e38``.  Where no square or sum is subnormal or
+    overflows the two agree bit for bit (scaling by ``2**-e`` commutes with
+    every rounding).  A ``lax.cond`` picks the second pass only on such
+    steps; under ``vmap`` both run.
     """
-    top = jnp.max(jnp.abs(flat), initial=0.0)
-    e, _ = unit_scale(top)
-    unit = jnp.sqrt(jnp.sum(jnp.square(ldexp(flat, -e)))) / math.sqrt(flat.shape[0])
-    return jnp.minimum(ldexp(unit, e), top)
+    total = jnp.sum(jnp.square(flat))
+    return _one_pass_or(
+        total,
+        flat.shape[0],
+        lambda: scaled_rms(
+            jnp.max(jnp.abs(flat), initial=0.0),
+            lambda e: jnp.sum(jnp.square(ldexp(flat, -e))),
+            flat.shape[0],
+        ),
+    )
 
 
 def rms_of_pieces(pieces: Pieces) -> jax.Array:
-    """:func:`rms` of the flat array in ``pieces`` (non-empty), reduced piece by piece."""
-    top = pieces.reduce(jnp.abs, "max")
+    """:func:`rms` of the flat array in ``pieces`` (non-empty), reduced piece by piece.
+
+    The one pass reads the bucket once: the two dependent passes it replaces
+    (``max|x|``, then the scaled squares) made ``l2_scaled_sign``'s compress
+    of the ResNet-50 tree in buckets of ``2**22`` take 35 ms, against 18 ms.
+    """
+    total = pieces.reduce(jnp.square, "sum")
+    return _one_pass_or(
+        total,
+        pieces.size,
+        lambda: scaled_rms(
+            pieces.reduce(jnp.abs, "max"),
+            lambda e: pieces.reduce(lambda a: jnp.square(ldexp(a, -e)), "sum"),
+            pieces.size,
+        ),
+    )
+
+
+def scaled_rms(top: jax.Array, scaled_squares, d: int) -> jax.Array:
+    """The root mean square from ``top = max|x|`` and ``scaled_squares(e)``, the sum of
+    ``(x 2**-e)^2``, with ``2**e <= top < 2**(e+1)`` (an exact scaling,
+    :func:`compjax.numerics.unit_scale`), capped at ``top``, which it never exceeds."""
     e, _ = unit_scale(top)
-    total = pieces.reduce(lambda a: jnp.square(ldexp(a, -e)), "sum")
-    unit = jnp.sqrt(total) / math.sqrt(pieces.size)
+    unit = jnp.sqrt(scaled_squares(e)) / math.sqrt(d)
     return jnp.minimum(ldexp(unit, e), top)
+
+
+def _one_pass_or(total: jax.Array, d: int, exact) -> jax.Array:
+    """``sqrt(total / d)`` where ``total`` (the plain sum of squares) is safe, else ``exact()``."""
+    safe = jnp.isfinite(total) & (total >= d * _UNFLUSHED)
+    return jax.lax.cond(safe, lambda: jnp.sqrt(total) / math.sqrt(d), exact)
 
 
 @dataclasses.dataclass(frozen=True)
