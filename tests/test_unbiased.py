@@ -225,12 +225,13 @@ def test_averaging_workers_divides_variance():
 
 
 @pytest.mark.parametrize(
-    ("levels", "bucket", "d"), [(4, 8, 64), (4, 8, 61), (4, 512, 2048), (100, 6, 30)]
+    ("levels", "bucket", "d"),
+    [(4, 8, 64), (4, 8, 61), (4, 512, 2048), (100, 6, 30), (100, 8, 64), (200, 512, 2048)],
 )
 def test_qsgd_decodes_its_wire_as_transcribed(levels, bucket, d):
     """QSGD's decode, read from its packed wire with numpy: code ``c`` of bucket ``r`` is
     ``(-1)**sign * norm_r * min(level * fl(1/s), 1)``, for whole rows of whole words (decoded in
-    the codes' own 3-D shape), a partial last row, and 8-bit codes in rows of 6."""
+    the codes' own 3-D shape), a partial last row, and 8- and 16-bit codes (whole rows or not)."""
     comp = compjax.qsgd(levels, bucket_size=bucket)
     x = jax.random.normal(jax.random.key(d), (d,))
     payload = comp.compress(jax.random.key(1), x)

@@ -172,8 +172,8 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
 
     def decode_span(self, wire, side, offset, n, d, dtype):
         size, count = self._buckets(d)
-        if count > 1 and n % size == 0 and size * self.width % 32 == 0:
-            # Whole rows of whole words: the codes and norms in one (rows, words, codes) shape.
+        if count > 1 and self.width < 8 and n % size == 0 and size * self.width % 32 == 0:
+            # Whole rows of whole packed words: codes and norms in one (rows, words, codes) shape.
             codes = packing.unpack_rows(wire["codes"], self.width, n // size)
             return self._value(codes, wire["norms"][:, None, None]).reshape(-1)
         codes = packing.unpack(wire["codes"], self.width, n)
