@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from compjax.draws import counts_entries, mix32, random_bits
+from compjax.draws import counts_entries, hash_counters, random_bits
 
 
 def next_power_of_two(n: int) -> int:
@@ -121,7 +121,7 @@ def _sign_draws(key, n: int, rounds: int):
     seed = jax.random.bits(key, (2,), jnp.uint32)
 
     def draw(k):
-        return lambda index: mix32(mix32(index + (seed[0] + jnp.uint32(k * n))) ^ seed[1])
+        return lambda index: hash_counters(seed, index + jnp.uint32(k * n))
 
     return [draw(k) for k in range(rounds)]
 

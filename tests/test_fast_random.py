@@ -1,7 +1,7 @@
 """The counter-based sampler behind ``bernoulli`` and natural compression.
 
 ``compjax.draws.random_bits`` expands one threefry draw (a 64-bit seed
-``(s0, s1)``) to 32 bits per entry, ``mix32(mix32(i + s0) ^ s1)``.
+``(s0, s1)``) to 32 bits per entry, ``mix32((i + s0) ^ s1)``.
 What the theory needs, and how it is checked here:
 
 * **exact marginals**: for each entry ``i`` and each ``s1`` the map
@@ -28,7 +28,7 @@ import pytest
 from scipy import stats
 
 import compjax
-from compjax.draws import bernoulli, counter_bits, mix32, random_bits
+from compjax.draws import _TRIPLE32, bernoulli, counter_bits, mix32, random_bits
 
 ALPHA = 1e-6  # false-alarm probability of each statistical test
 Z = float(stats.norm.isf(ALPHA / 2))  # two-sided z bound, about 4.9
@@ -47,12 +47,10 @@ def np_unxorshift(h: np.ndarray, s: int) -> np.ndarray:
 
 def np_unmix32(h: np.ndarray) -> np.ndarray:
     """Inverse of :func:`mix32`, step by step (multiplication by the inverse odd constant)."""
-    h = np.asarray(h, np.uint64)
-    h = np_unxorshift(h, 16)
-    h = (h * pow(0x846CA68B, -1, 1 << 32)) & M32
-    h = np_unxorshift(h, 15)
-    h = (h * pow(0x7FEB352D, -1, 1 << 32)) & M32
-    return np_unxorshift(h, 16)
+    h = np_unxorshift(np.asarray(h, np.uint64), 14)
+    for shift, multiplier in reversed(_TRIPLE32):
+        h = np_unxorshift((h * pow(multiplier, -1, 1 << 32)) & M32, shift)
+    return h
 
 
 def test_mix32_is_a_bijection():
@@ -61,7 +59,7 @@ def test_mix32_is_a_bijection():
     h = np.concatenate([rng.integers(0, 1 << 32, 1 << 20, np.uint64), [0, 1, M32, 1 << 31]])
     out = np.asarray(jax.jit(mix32)(jnp.asarray(h, jnp.uint32)), np.uint64)
     np.testing.assert_array_equal(np_unmix32(out), h)
-    assert 0x7FEB352D % 2 == 1 and 0x846CA68B % 2 == 1  # odd: invertible modulo 2**32
+    assert all(m % 2 == 1 for _, m in _TRIPLE32)  # odd: invertible modulo 2**32
 
 
 def test_each_entry_is_a_bijection_of_the_seed():
@@ -73,8 +71,7 @@ def test_each_entry_is_a_bijection_of_the_seed():
     seeds = jnp.asarray(np.stack([s0, s1], axis=1), jnp.uint32)
     bits = np.asarray(jax.jit(jax.vmap(lambda s: counter_bits(s, n)))(seeds), np.uint64)
     i = np.arange(n, dtype=np.uint64)
-    recovered = np_unmix32(np_unmix32(bits) ^ s1[:, None])
-    recovered = (recovered - i) & M32
+    recovered = ((np_unmix32(bits) ^ s1[:, None]) - i) & M32
     np.testing.assert_array_equal(recovered, np.broadcast_to(s0[:, None], recovered.shape))
 
 
