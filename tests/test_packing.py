@@ -1,11 +1,15 @@
 """Bit packing: exact round trips and the byte counts of the wire format."""
 
+import re
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import compjax
 from compjax import packing
 
 
@@ -60,3 +64,51 @@ def test_code_width(max_code, width):
 def test_bad_width():
     with pytest.raises(ValueError, match="width"):
         packing.pack(jnp.zeros(3, jnp.uint32), 3)
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_pack_summing_packs_and_sums_in_one_pass(width):
+    """The bytes of ``pack`` and the sum of the terms (float64 reference, float32 rounding),
+    at sizes around a word; NaN and Inf terms reach the sum."""
+    rng = np.random.default_rng(10 + width)
+    run = jax.jit(packing.pack_summing, static_argnums=1)
+    for n in (0, 7, 32, 33, 100, 5000):
+        codes = rng.integers(0, 1 << width, n).astype(np.uint32)
+        terms = np.abs(rng.standard_normal(n)).astype(np.float32)
+        packed, total = run(jnp.asarray(codes), width, jnp.asarray(terms))
+        np.testing.assert_array_equal(np.asarray(packed), reference_bytes(codes, width))
+        np.testing.assert_allclose(float(total), np.sum(terms, dtype=np.float64), rtol=1e-6)
+    for bad in (np.inf, np.nan):
+        terms[17] = bad
+        _, total = run(jnp.asarray(codes), width, jnp.asarray(terms))
+        np.testing.assert_array_equal(float(total), bad)
+    with pytest.raises(ValueError, match="width"):
+        packing.pack_summing(jnp.zeros(3, jnp.uint32), 8, jnp.zeros(3))
+
+
+SCALES = {
+    "scaled_sign": (compjax.scaled_sign(), lambda x: jnp.mean(jnp.abs(x))),
+    "l2_scaled_sign": (compjax.l2_scaled_sign(), lambda x: jnp.sqrt(jnp.mean(jnp.square(x)))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALES))
+def test_scaled_signs_read_their_input_once(name):
+    """The scale's sum is reduced in the pass that packs the signs: in the compiled compress
+    one operation reads the input (besides the conditional's exactly scaled fallback, which
+    runs only where the sum overflows or flushes); the scale is the plain sum's to rounding."""
+    comp, plain = SCALES[name]
+    x = jax.random.normal(jax.random.key(0), (1 << 16,))
+    compress = jax.jit(comp.compress)
+    entry = compress.lower(jax.random.key(1), x).compile().as_text()
+    entry = entry[entry.index("ENTRY") :].splitlines()
+    param = re.search(r"(%\S+) = f32\[65536\]\S* parameter\(0\)", "\n".join(entry)).group(1)
+    readers = [
+        line
+        for line in entry[1:]
+        if re.search(re.escape(param) + r"\b", line)
+        and not re.search(r"parameter\(|\) tuple\(|conditional\(", line)
+    ]
+    assert len(readers) == 1, readers
+    scale = compress(jax.random.key(1), x).wire["scale"]
+    np.testing.assert_allclose(float(scale), float(plain(x)), rtol=1e-6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import jax
@@ -20,7 +21,7 @@ from compjax import packing
 from compjax.compressor import Compressor
 from compjax.compressors.elementwise import Elementwise
 from compjax.numerics import ldexp, unit_scale
-from compjax.pieces import Pieces
+from compjax.pieces import Pieces, encode_spans
 
 
 def sign_bits(x):
@@ -28,7 +29,7 @@ def sign_bits(x):
     return (x < 0).astype(jnp.uint32)
 
 
-def mean_abs(flat: jax.Array) -> jax.Array:
+def mean_abs(flat: jax.Array, total: jax.Array | None = None) -> jax.Array:
     """``||x||_1 / d`` of a non-empty 1-D array, without overflow or underflow.
 
     One pass, ``sum |x| / d``, when that sum is finite (a sum of magnitudes
@@ -37,9 +38,11 @@ def mean_abs(flat: jax.Array) -> jax.Array:
     exact scaling (:func:`compjax.numerics.unit_scale`; dividing by ``max|x|``
     would flush to zero), two passes, capped at ``max|x|`` (which the mean
     never exceeds; the rounded mean of entries at float32's maximum would
-    otherwise round up to ``2**128``, Inf).
+    otherwise round up to ``2**128``, Inf).  ``total``: ``sum |x|`` already
+    taken (with the signs' packing, :func:`compjax.packing.pack_summing`).
     """
-    total = jnp.sum(jnp.abs(flat))
+    if total is None:
+        total = jnp.sum(jnp.abs(flat))
 
     def scaled():
         top = jnp.max(jnp.abs(flat), initial=0.0)
@@ -51,17 +54,14 @@ def mean_abs(flat: jax.Array) -> jax.Array:
     return jax.lax.cond(jnp.isfinite(total), lambda: total / flat.size, scaled)
 
 
-def mean_abs_of_pieces(pieces: Pieces) -> jax.Array:
+def mean_abs_of_pieces(pieces: Pieces, total: jax.Array | None = None) -> jax.Array:
     """:func:`mean_abs` of the flat array in ``pieces`` (non-empty), reduced piece by piece.
 
-    ``sum |x| / d`` where that sum is finite.  Otherwise the sum of
-    ``|x| 2**-64``, taken in the same pass (an exact scaling that no float32
-    sum of fewer than ``2**40`` entries overflows, whose only loss is entries
-    below ``2**-62``, nothing beside the entry that made the sum overflow),
-    times ``2**64 / d``, capped at ``max|x|``.  No ``lax.cond``: its branch
-    would take the pieces as operands.
+    ``sum |x| / d`` where that sum (``total`` if given) is finite; otherwise
+    :func:`mean_abs`'s exactly scaled two passes, piece by piece.
     """
-    total = pieces.reduce(jnp.abs, "sum")
+    if total is None:
+        total = pieces.reduce(jnp.abs, "sum")
 
     def scaled():
         top = pieces.reduce(jnp.abs, "max")
@@ -78,7 +78,14 @@ def sign_values(bits):
 
 
 class SignCodes(Elementwise):
-    """Signs packed 8 per byte, times a scale where the compressor has one (``stats``)."""
+    """Signs packed 8 per byte, times a scale where the compressor has one.
+
+    A scaled compressor's scale is a mean of per-entry terms (``|x|``,
+    ``x^2``) that the signs do not depend on, so their sum is reduced in the
+    pass that packs the signs (:func:`compjax.packing.pack_summing`), over the
+    whole array or span by span over a bucket's pieces: the scale costs no
+    second pass over the input.
+    """
 
     def units(self, d, dtype):
         return {"signs": 8}
@@ -90,12 +97,29 @@ class SignCodes(Elementwise):
         values = sign_values(packing.unpack(wire["signs"], 1, n))
         return wire["scale"] * values if "scale" in wire else values
 
-    def encode(self, key, flat, dtype):
-        stats = {"scale": self.scale_of(flat)} if self.scaled else {}
-        return {**stats, **self.encode_span(key, flat, 0, flat.shape[0], stats, dtype)}, {}
+    #: A scaled compressor's ``(terms, scale, scale_of_pieces)``: the per-entry terms
+    #: whose sum the scale is taken from, and the scale of a flat array and of pieces
+    #: from that sum (``f(x, total)``).
+    scaling: ClassVar[tuple[Callable, Callable, Callable] | None] = None
 
-    def statistics(self, key, pieces, dtype):
-        return {"scale": self.scale_of_pieces(pieces)} if self.scaled else {}
+    def _signs_summing(self, x):
+        signs, total = packing.pack_summing(sign_bits(x), 1, self.scaling[0](x))
+        return {"signs": signs, "_total": total.reshape(1)}
+
+    def encode(self, key, flat, dtype):
+        if not self.scaled:
+            return self.encode_span(key, flat, 0, flat.shape[0], {}, dtype), {}
+        if not flat.size:
+            return {"scale": jnp.float32(0.0), **self.encode_span(key, flat, 0, 0, {}, dtype)}, {}
+        fields = self._signs_summing(flat)
+        return {"scale": self.scaling[1](flat, fields.pop("_total")[0]), **fields}, {}
+
+    def encode_pieces(self, key, pieces, dtype):
+        if not self.scaled:
+            return Elementwise.encode_pieces(self, key, pieces, dtype)
+        fields = encode_spans(pieces, 8, lambda x, offset: self._signs_summing(x))
+        total = jnp.sum(fields.pop("_total"))  # the spans' sums, in order
+        return {"scale": self.scaling[2](pieces, total), **fields}, {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,11 +140,7 @@ class ScaledSign(SignCodes, Compressor):
     deterministic: ClassVar[bool] = True
     scaled: ClassVar[bool] = True
 
-    def scale_of(self, flat):
-        return mean_abs(flat) if flat.size else jnp.float32(0.0)
-
-    def scale_of_pieces(self, pieces):
-        return mean_abs_of_pieces(pieces)
+    scaling: ClassVar = (jnp.abs, mean_abs, mean_abs_of_pieces)
 
     def delta(self, d):
         return 1.0 / d if d > 0 else 1.0
