@@ -95,7 +95,6 @@ class L2ScaledSign(SignCodes, Compressor):
     """``C(x) = (||x||_2 / sqrt(d)) sign(x)``.  See :func:`l2_scaled_sign`."""
 
     deterministic: ClassVar[bool] = True
-    scaled: ClassVar[bool] = True
 
     scaling: ClassVar = (jnp.square, rms, rms_of_pieces)
 

@@ -99,7 +99,7 @@ class SignCodes(Elementwise):
 
     #: A scaled compressor's ``(terms, scale, scale_of_pieces)``: the per-entry terms
     #: whose sum the scale is taken from, and the scale of a flat array and of pieces
-    #: from that sum (``f(x, total)``).
+    #: from that sum (``f(x, total)``); ``None`` for the unscaled sign.
     scaling: ClassVar[tuple[Callable, Callable, Callable] | None] = None
 
     def _signs_summing(self, x):
@@ -107,7 +107,7 @@ class SignCodes(Elementwise):
         return {"signs": signs, "_total": total.reshape(1)}
 
     def encode(self, key, flat, dtype):
-        if not self.scaled:
+        if self.scaling is None:
             return self.encode_span(key, flat, 0, flat.shape[0], {}, dtype), {}
         if not flat.size:
             return {"scale": jnp.float32(0.0), **self.encode_span(key, flat, 0, 0, {}, dtype)}, {}
@@ -115,7 +115,7 @@ class SignCodes(Elementwise):
         return {"scale": self.scaling[1](flat, fields.pop("_total")[0]), **fields}, {}
 
     def encode_pieces(self, key, pieces, dtype):
-        if not self.scaled:
+        if self.scaling is None:
             return Elementwise.encode_pieces(self, key, pieces, dtype)
         fields = encode_spans(pieces, 8, lambda x, offset: self._signs_summing(x))
         total = jnp.sum(fields.pop("_total"))  # the spans' sums, in order
@@ -127,7 +127,6 @@ class Sign(SignCodes, Compressor):
     """``C(x) = sign(x)`` in one bit per entry.  See :func:`sign`."""
 
     deterministic: ClassVar[bool] = True
-    scaled: ClassVar[bool] = False
 
     def bits(self, shape, dtype=jnp.float32):
         return packing.packed_bits(math.prod(shape), 1)
@@ -138,7 +137,6 @@ class ScaledSign(SignCodes, Compressor):
     """``C(x) = (||x||_1 / d) sign(x)``.  See :func:`scaled_sign`."""
 
     deterministic: ClassVar[bool] = True
-    scaled: ClassVar[bool] = True
 
     scaling: ClassVar = (jnp.abs, mean_abs, mean_abs_of_pieces)
 
