@@ -109,14 +109,6 @@ def threefry2x32(k1, k2, x1, x2) -> tuple[jax.Array, jax.Array]:
     return x1, x2
 
 
-def _key_parts(key):
-    """A key's uint32 data ``(..., 2)`` and the function that makes a key of its kind from data."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        impl = jax.random.key_impl(key)
-        return jax.random.key_data(key), lambda data: jax.random.wrap_key_data(data, impl=impl)
-    return key, lambda data: data
-
-
 def seed_bits(key) -> jax.Array:
     """``jax.random.bits(key, (2,), jnp.uint32)`` of a threefry key, bit for bit, unrolled.
 
@@ -126,13 +118,21 @@ def seed_bits(key) -> jax.Array:
     counters of entries 0 and 1 are ``(0, 0), (0, 1)`` with the halves
     xor-ed, or one block on ``(0, 1)``).  Batched keys (``vmap``) work.
     """
-    raw, _ = _key_parts(key)
-    k1, k2 = raw[..., 0], raw[..., 1]
+    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
+    k1, k2 = data[..., 0], data[..., 1]
     zero, one = jnp.uint32(0), jnp.uint32(1)
     if jax.config.jax_threefry_partitionable:
         first, second = threefry2x32(k1, k2, zero, zero), threefry2x32(k1, k2, zero, one)
         return jnp.stack([first[0] ^ first[1], second[0] ^ second[1]], axis=-1)
     return jnp.stack(threefry2x32(k1, k2, zero, one), axis=-1)
+
+
+def _key_parts(key):
+    """A key's uint32 data ``(..., 2)`` and the function that makes a key of its kind from data."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        impl = jax.random.key_impl(key)
+        return jax.random.key_data(key), lambda data: jax.random.wrap_key_data(data, impl=impl)
+    return key, lambda data: data
 
 
 def fold_in(key, data):
