@@ -8,8 +8,8 @@ and multi-process ``jax.distributed`` runs.  compjax never builds meshes.
 
 How a compressed mean travels:
 
-* per-worker randomness is ``fold_in(key, worker_index)`` of a key all
-  workers share (:func:`compjax.draws.fold_in`: JAX's, bit for bit);
+* per-worker randomness is ``jax.random.fold_in(key, worker_index)`` of a key
+  all workers share;
 * how a compressed mean travels (all-gather, scatter-gather, hierarchical) is
   :mod:`compjax.exchange`, built on the primitives here;
 * integer reductions where a method allows: the sign majority vote and
@@ -37,7 +37,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax import draws, packing
+from compjax import packing
 from compjax.axes import AxisName as AxisName
 from compjax.axes import UnboundAxisError as UnboundAxisError
 from compjax.axes import axis_names as _names
@@ -60,7 +60,7 @@ def worker_key(key: jax.Array, axis_name: AxisName) -> jax.Array:
     """A key of this worker's own: ``fold_in(key, worker_index)``."""
     if axis_name is None:
         return key
-    return draws.fold_in(key, worker_index(axis_name))
+    return jax.random.fold_in(key, worker_index(axis_name))
 
 
 def all_gather(tree, axis_name: AxisName):

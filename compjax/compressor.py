@@ -53,7 +53,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax import draws
 from compjax.numerics import divide, ldexp, to_dtype, unit_scale
 from compjax.numerics import flatten as flatten
 from compjax.payload import Payload
@@ -154,7 +153,7 @@ def split_key(key, num: int = 2):
     """``jax.random.split`` that passes ``None`` through (deterministic compressors)."""
     if key is None:
         return [None] * num
-    return list(draws.split(key, num))
+    return list(jax.random.split(key, num))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,48 +127,6 @@ def seed_bits(key) -> jax.Array:
     return jnp.stack(threefry2x32(k1, k2, zero, one), axis=-1)
 
 
-def _key_parts(key):
-    """A key's uint32 data ``(..., 2)`` and the function that makes a key of its kind from data."""
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        impl = jax.random.key_impl(key)
-        return jax.random.key_data(key), lambda data: jax.random.wrap_key_data(data, impl=impl)
-    return key, lambda data: data
-
-
-def fold_in(key, data):
-    """``jax.random.fold_in(key, data)``, bit for bit, with threefry written out.
-
-    For a threefry key JAX folds ``data`` in as the cipher's block on the
-    counters ``(0, data)`` (:func:`threefry2x32`, without the CPU lowering's
-    loop; a worker's key is folded in per leaf and step).  Any other key
-    implementation goes to ``jax.random.fold_in``.
-    """
-    if not uses_threefry(key):
-        return jax.random.fold_in(key, data)
-    raw, wrap = _key_parts(key)
-    o1, o2 = threefry2x32(raw[..., 0], raw[..., 1], jnp.uint32(0), jnp.asarray(data, jnp.uint32))
-    return wrap(jnp.stack([o1, o2], axis=-1))
-
-
-def split(key, num: int = 2):
-    """``jax.random.split(key, num)``, bit for bit, with threefry written out.
-
-    Follows ``jax_threefry_partitionable``: key ``j`` is the block on the
-    counters ``(0, j)``, or the blocks on ``0 .. 2 num - 1`` taken in pairs.
-    Any other key implementation goes to ``jax.random.split``.
-    """
-    if not uses_threefry(key):
-        return jax.random.split(key, num)
-    raw, wrap = _key_parts(key)
-    k1, k2 = raw[..., 0, None], raw[..., 1, None]
-    if jax.config.jax_threefry_partitionable:
-        j = jnp.arange(num, dtype=jnp.uint32)
-        return wrap(jnp.stack(threefry2x32(k1, k2, jnp.zeros_like(j), j), axis=-1))
-    counts = jnp.arange(2 * num, dtype=jnp.uint32)
-    blocks = jnp.concatenate(threefry2x32(k1, k2, counts[:num], counts[num:]), axis=-1)
-    return wrap(blocks.reshape(*raw.shape[:-1], num, 2))
-
-
 def uses_threefry(key) -> bool:
     """Whether ``key`` is a threefry key (typed, or a raw key of the default impl)."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):

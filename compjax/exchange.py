@@ -65,7 +65,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax import collectives, draws
+from compjax import collectives
 from compjax.collectives import AxisName, num_workers, record, worker_index
 from compjax.compressor import Compressor
 from compjax.flat_exchange import gathered_mean, scatter_gathered, summed_mean
@@ -391,7 +391,7 @@ def _hierarchical(comp, key, x, memory, slow, fast, kind):
     record("fast_reduce_scatter", padded, "reduce_scatter", fast)
     group = collectives.psum_scatter(padded, fast)  # this worker's shard, summed over ``fast``
     k = worker_index(fast)
-    inner_key = draws.fold_in(key, k)  # distinct per shard; shared along ``slow``
+    inner_key = jax.random.fold_in(key, k)  # distinct per shard; shared along ``slow``
     inner_memory = None if memory is None else block_of(memory.reshape(-1), k, n_fast)
     if slow:
         n_slow = num_workers(slow)

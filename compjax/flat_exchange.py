@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from compjax import collectives, draws
+from compjax import collectives
 from compjax.collectives import record, worker_index
 from compjax.overflow import mean_without_overflow
 from compjax.pieces import Pieces
@@ -136,10 +136,10 @@ def scatter_gathered(comp, key, flat, memory, names, n):
     if d == 0:
         return jnp.zeros((0,), jnp.float32), flat, memory
     me = worker_index(names)
-    first_key, second_key = draws.split(key)
+    first_key, second_key = jax.random.split(key)
     mine, own = scatter(comp, first_key, flat, names, n)
     target = mine if memory is None else mine + block_of(memory, me, n).astype(jnp.float32)
-    second = comp.compress(draws.fold_in(second_key, me), target.astype(flat.dtype))
+    second = comp.compress(jax.random.fold_in(second_key, me), target.astype(flat.dtype))
     record("gather", second, "all_gather", names)
     sent = comp.decompress(second).astype(jnp.float32)
     gathered = collectives.all_gather(second, names)

@@ -28,7 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax import collectives, draws
+from compjax import collectives
 from compjax.collectives import record, worker_index
 from compjax.compressor import Compressor
 from compjax.payload import Payload
@@ -114,7 +114,7 @@ def scatter(comp, key, flat, names, n):
     """
     d = flat.shape[0]
     me = worker_index(names)
-    shard_keys = draws.split(draws.fold_in(key, me), n)
+    shard_keys = jax.random.split(jax.random.fold_in(key, me), n)
     payloads = compress_blocks(comp, shard_keys, split_blocks(flat, n))
     # Materialised before the exchange: fused with the decoding below, XLA's CPU backend
     # turned a batched top-k into a step 8x slower (make bench-net; 1.7 s against 0.05 s
@@ -149,7 +149,7 @@ def summed_scatter(comp, key, flat, names, n, scale=None):
     if scale is None:
         scale = collectives.pmax(comp.scale_of(rotated.reshape(-1)), names)
         record("scale", scale, "all_reduce", names)
-    block_keys = draws.split(collectives.worker_key(key, names), n)
+    block_keys = jax.random.split(collectives.worker_key(key, names), n)
     words = jax.vmap(lambda k, b: comp.encode_words(k, b, scale, n))(block_keys, rotated)
     record("payload", words, "reduce_scatter", names)
     summed = collectives.psum_scatter(words, names)[0]
@@ -161,7 +161,7 @@ def summed_scatter(comp, key, flat, names, n, scale=None):
 def linear_scatter(comp, key, flat, names, n):
     """Each block compressed with a shared key, payloads reduce-scattered: ``(sum, own)``."""
     d = flat.shape[0]
-    payloads = compress_blocks(comp, draws.split(key, n), split_blocks(flat, n))
+    payloads = compress_blocks(comp, jax.random.split(key, n), split_blocks(flat, n))
     record("payload", payloads, "reduce_scatter", names)
     me = worker_index(names)
     wire = jax.tree.map(lambda a: collectives.psum_scatter(a, names)[0], dict(payloads.wire))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import collectives, draws, hpz
+from compjax import collectives, hpz
 from compjax.collectives import (
     any_worker,
     check_local_loss,
@@ -252,7 +252,7 @@ def fsdp(
         shard_shape = (moved.shape[0] // n, *moved.shape[1:])
         if fast is not None:  # the host's mean of this worker's 1/L, with a key of its own
             moved = hpz.locally_reduced(moved, fast)
-            key = draws.fold_in(key, worker_index(fast))
+            key = jax.random.fold_in(key, worker_index(fast))
         if feedback is None:
             return moved, key, moved, None, shard_shape
         memory = jnp.moveaxis(memory, dim, 0)

@@ -228,37 +228,3 @@ def test_seed_bits_are_jax_random_bits(partitionable):
         assert " while(" not in text
     finally:
         jax.config.update("jax_threefry_partitionable", before)
-
-
-@pytest.mark.parametrize("partitionable", [True, False])
-def test_fold_in_and_split_are_jax_random_s(partitionable):
-    """draws.fold_in and draws.split give jax.random's keys bit for bit (typed and raw keys,
-    traced data, under vmap), in either counter layout; other implementations pass through."""
-    from compjax.draws import fold_in, split
-
-    before = jax.config.jax_threefry_partitionable
-    jax.config.update("jax_threefry_partitionable", partitionable)
-    try:
-        keys = jax.random.split(jax.random.key(11), 64)
-        data = jnp.arange(64, dtype=jnp.int32) * 977 - 5
-
-        def same(a, b):
-            np.testing.assert_array_equal(jax.random.key_data(a), jax.random.key_data(b))
-
-        same(jax.jit(jax.vmap(fold_in))(keys, data), jax.vmap(jax.random.fold_in)(keys, data))
-        for num in (1, 2, 5):
-            same(
-                jax.jit(jax.vmap(lambda k, n=num: split(k, n)))(keys),
-                jax.vmap(lambda k, n=num: jax.random.split(k, n))(keys),
-            )
-            same(split(keys[0], num), jax.random.split(keys[0], num))
-        raw = jax.random.key_data(keys[1])
-        np.testing.assert_array_equal(fold_in(raw, 7), jax.random.fold_in(raw, 7))
-        np.testing.assert_array_equal(split(raw, 3), jax.random.split(raw, 3))
-        text = jax.jit(lambda k: (fold_in(k, 3), split(k, 4))).lower(keys[0]).compile().as_text()
-        assert " while(" not in text
-        rbg = jax.random.key(3, impl="rbg")
-        same(fold_in(rbg, 5), jax.random.fold_in(rbg, 5))
-        same(split(rbg, 3), jax.random.split(rbg, 3))
-    finally:
-        jax.config.update("jax_threefry_partitionable", before)

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax import draws
 from compjax.compressor import Compressor, dtype_max
 from compjax.draws import bernoulli, stochastic_round
 from compjax.numerics import all_finite, ldexp, unit_scale
@@ -104,7 +103,7 @@ class Atomo(Compressor):
         top = float(jnp.finfo(jnp.float32).max)
         values = jnp.where(jnp.isfinite(flat[safe]), jnp.clip(values, -top, top), values)
         if np.dtype(dtype).itemsize < 4:  # decoding rounds: round onto the grid here, unbiased
-            values = stochastic_round(draws.fold_in(key, 1), values, dtype)
+            values = stochastic_round(jax.random.fold_in(key, 1), values, dtype)
         if d:  # an Inf/NaN has no probability to be kept with: send NaN (to entry 0) instead
             bad = ~all_finite(flat)
             idx = jnp.where(bad, 0, idx)

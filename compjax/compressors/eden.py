@@ -32,7 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from compjax import draws, hadamard, packing
+from compjax import hadamard, packing
 from compjax.compressor import Compressor, raw_key, safe_divide
 from compjax.draws import stochastic_round
 
@@ -85,7 +85,7 @@ def haar_orthogonal(key, n: int) -> jax.Array:
     column's sign set so that ``R`` has a positive diagonal (Mezzadri 2007):
     without that correction ``Q`` is not Haar-distributed.
     """
-    g = jax.random.normal(draws.fold_in(key, 0x4A4), (n, n), jnp.float32)
+    g = jax.random.normal(jax.random.fold_in(key, 0x4A4), (n, n), jnp.float32)
     q, r = jnp.linalg.qr(g)
     return q * jnp.where(jnp.diagonal(r) < 0, -1.0, 1.0)
 
@@ -160,7 +160,7 @@ class Drive(Compressor):
         x = jnp.clip(wire["scale"][0] * x, -_FLOAT32_MAX, _FLOAT32_MAX) + 0.0
         # In bfloat16/float16 the decode is rounded onto the output grid at random (bits from
         # the shared rotation key, another stream than the rotation's): unbiased there too.
-        return stochastic_round(draws.fold_in(side["key"], 1), x, dtype)
+        return stochastic_round(jax.random.fold_in(side["key"], 1), x, dtype)
 
     def omega(self, d):
         if not self.unbiased_scale:

@@ -81,7 +81,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
-from compjax import draws, hadamard
+from compjax import hadamard
 from compjax.compressor import Compressor, dtype_max, raw_key
 from compjax.compressors.int_quant_theory import (  # noqa: F401 (re-exported)
     int_quant_mean_omega,
@@ -143,7 +143,7 @@ class IntQuant(Compressor):
     @staticmethod
     def _rotation_key(key):
         """The rotation's key: its own stream of the shared ``key`` (its signs, one round)."""
-        return draws.fold_in(raw_key(key), _ROTATION_STREAM)
+        return jax.random.fold_in(raw_key(key), _ROTATION_STREAM)
 
     def rotate_in(self, key, flat: jax.Array | Pieces) -> jax.Array | Pieces:
         """``H D x`` padded to ``d'``, signs from the shared ``key`` (``x`` if not rotating).
@@ -287,11 +287,11 @@ class IntQuant(Compressor):
 
     # -- the compressor contract: one worker, its own scale ------------------
     def encode(self, key, flat, dtype):
-        code_key, round_key = draws.split(key)
+        code_key, round_key = jax.random.split(key)
         side = {"key": raw_key(round_key)}
         if self.rotate:
             # The rotation's key travels as side information, as EDEN's (not counted).
-            side["rotation"] = raw_key(draws.fold_in(key, 2))
+            side["rotation"] = raw_key(jax.random.fold_in(key, 2))
             flat = self.rotate_in(side["rotation"], flat)
         scale = self.scale_of(flat)
         words = self.encode_words(code_key, flat, scale, 1)
@@ -310,7 +310,7 @@ class IntQuant(Compressor):
     def encode_pieces(self, key, pieces, dtype):
         if self.rotate or not counts_entries(key, pieces.size):
             return super().encode_pieces(key, pieces, dtype)
-        code_key, round_key = draws.split(key)
+        code_key, round_key = jax.random.split(key)
         scale = self.scale_of(pieces)
         words = self.encode_words(code_key, pieces, scale, 1)
         return {"scale": scale, "words": words}, {"key": raw_key(round_key)}

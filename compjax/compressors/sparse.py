@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax import draws
 from compjax.compressor import Compressor, dtype_max, raw_key
 from compjax.compressors import selection
 from compjax.draws import bernoulli
@@ -256,7 +255,7 @@ class RandK(Sparsifier):
         idx = self.indices(index_key, flat, self.k_for(d))
         values = flat[idx]
         if self.scaled and idx.size and np.dtype(dtype).itemsize < 4:
-            values = dither(draws.fold_in(key, 1), values, self.scale(d))
+            values = dither(jax.random.fold_in(key, 1), values, self.scale(d))
         if self.shared_seed:
             return {"values": values}, {"key": index_key}
         return {"indices": idx, "values": values}, {}

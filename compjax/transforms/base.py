@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from compjax import draws
 from compjax.collectives import exchange_round
 from compjax.compressor import raw_key
 from compjax.exchange import keeps_memory
@@ -211,8 +210,8 @@ def check_grouping(flatten: bool, bucket_size: int | None) -> None:
 
 def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:
     """The next state key and one key per leaf for this step."""
-    next_key, step = draws.split(key)
-    return next_key, list(draws.split(step, num))
+    next_key, step = jax.random.split(key)
+    return next_key, list(jax.random.split(step, num))
 
 
 def check_state_dtype(state_dtype: Any) -> np.dtype | None:
