@@ -80,53 +80,6 @@ def counter_bits(seed: jax.Array, n: int, offset: int = 0) -> jax.Array:
     return hash_counters(seed, i)
 
 
-#: Threefry-2x32's rotations, alternating by group of 4 rounds, and its key-schedule parity.
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-_PARITY = 0x1BD11BDA
-
-
-def _rotate_left(x: jax.Array, r: int) -> jax.Array:
-    return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
-
-
-def threefry2x32(k1, k2, x1, x2) -> tuple[jax.Array, jax.Array]:
-    """The Threefry-2x32 block cipher, 20 rounds, written out (Salmon et al. 2011).
-
-    The same function as JAX's ``threefry2x32`` primitive, which its CPU
-    lowering runs as a 5-iteration ``while`` loop: each iteration a few
-    thunks, so on a tree of 161 leaves the seeds' loops cost several
-    milliseconds per compress.  Written out, the rounds are a handful of
-    scalar operations that XLA fuses into one loop.
-    """
-    ks = (k1, k2, k1 ^ k2 ^ jnp.uint32(_PARITY))
-    x1, x2 = x1 + ks[0], x2 + ks[1]
-    for group in range(5):
-        for r in _ROTATIONS[group % 2]:
-            x1 = x1 + x2
-            x2 = _rotate_left(x2, r) ^ x1
-        x1 = x1 + ks[(group + 1) % 3]
-        x2 = x2 + ks[(group + 2) % 3] + jnp.uint32(group + 1)
-    return x1, x2
-
-
-def seed_bits(key) -> jax.Array:
-    """``jax.random.bits(key, (2,), jnp.uint32)`` of a threefry key, bit for bit, unrolled.
-
-    The 64-bit seed each counter-drawn array takes (:func:`random_bits`),
-    computed with :func:`threefry2x32` written out instead of JAX's CPU
-    lowering's ``while`` loop.  Follows ``jax_threefry_partitionable`` (the
-    counters of entries 0 and 1 are ``(0, 0), (0, 1)`` with the halves
-    xor-ed, or one block on ``(0, 1)``).  Batched keys (``vmap``) work.
-    """
-    data = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-    k1, k2 = data[..., 0], data[..., 1]
-    zero, one = jnp.uint32(0), jnp.uint32(1)
-    if jax.config.jax_threefry_partitionable:
-        first, second = threefry2x32(k1, k2, zero, zero), threefry2x32(k1, k2, zero, one)
-        return jnp.stack([first[0] ^ first[1], second[0] ^ second[1]], axis=-1)
-    return jnp.stack(threefry2x32(k1, k2, zero, one), axis=-1)
-
-
 def uses_threefry(key) -> bool:
     """Whether ``key`` is a threefry key (typed, or a raw key of the default impl)."""
     if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
@@ -162,10 +115,10 @@ def random_bits(key, shape, offset: int | jax.Array = 0) -> jax.Array:
     if not isinstance(offset, int):  # each entry's own counter
         if not uses_threefry(key):
             raise ValueError("counters: only counter-drawn (threefry) keys draw given entries")
-        seed = seed_bits(key)
+        seed = jax.random.bits(key, (2,), jnp.uint32)
         return hash_counters(seed, jnp.broadcast_to(jnp.asarray(offset, jnp.uint32), shape))
     if counts_entries(key, offset + n):
-        seed = seed_bits(key)
+        seed = jax.random.bits(key, (2,), jnp.uint32)
         return counter_bits(seed, n, offset).reshape(shape)
     if offset:
         raise ValueError(f"offset={offset}: only counter-drawn (threefry) keys draw a stretch")

@@ -208,23 +208,3 @@ def test_one_pass_mean_abs_falls_back_at_the_float32_limits(scale):
     mean = float(jax.jit(mean_abs)(jnp.asarray(x)))
     np.testing.assert_allclose(mean, np.abs(x64).mean(), rtol=1e-5)
     assert float(jax.jit(mean_abs)(jnp.zeros(1024))) == 0.0
-
-
-@pytest.mark.parametrize("partitionable", [True, False])
-def test_seed_bits_are_jax_random_bits(partitionable):
-    """The seed's threefry written out gives jax.random.bits(key, (2,)) bit for bit (typed and
-    raw keys, batched), in either counter layout, and compiles without a loop."""
-    from compjax.draws import seed_bits
-
-    before = jax.config.jax_threefry_partitionable
-    jax.config.update("jax_threefry_partitionable", partitionable)
-    try:
-        keys = jax.random.split(jax.random.key(7), 512)
-        want = jax.vmap(lambda k: jax.random.bits(k, (2,), jnp.uint32))(keys)
-        np.testing.assert_array_equal(jax.jit(jax.vmap(seed_bits))(keys), want)
-        np.testing.assert_array_equal(jax.vmap(seed_bits)(jax.random.key_data(keys)), want)
-        np.testing.assert_array_equal(seed_bits(keys[3]), want[3])
-        text = jax.jit(lambda k: random_bits(k, (64,))).lower(keys[0]).compile().as_text()
-        assert " while(" not in text
-    finally:
-        jax.config.update("jax_threefry_partitionable", before)
