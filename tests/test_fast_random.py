@@ -60,6 +60,13 @@ def test_mix32_is_a_bijection():
     out = np.asarray(jax.jit(mix32)(jnp.asarray(h, jnp.uint32)), np.uint64)
     np.testing.assert_array_equal(np_unmix32(out), h)
     assert all(m % 2 == 1 for _, m in _TRIPLE32)  # odd: invertible modulo 2**32
+    # Wellons' triple32, written with its published constants, on a few values.
+    for v in (1, 2, 12345, 0xDEADBEEF, M32):
+        x = v
+        for shift, mult in ((17, 0xED5AD4BB), (11, 0xAC4C1B51), (15, 0x31848BAB)):
+            x = ((x ^ (x >> shift)) * mult) & M32
+        x ^= x >> 14
+        assert int(jax.jit(mix32)(jnp.uint32(v))) == x, v
 
 
 def test_each_entry_is_a_bijection_of_the_seed():
