@@ -49,6 +49,7 @@ def main(inputs, store, rank, world, output):
         out.append(model.module.w.grad.detach().numpy().copy())
     if rank == 0:
         np.savez(output, updates=np.stack(out))
+    dist.barrier()  # both ranks done with gloo before either tears it down
     dist.destroy_process_group()
 
 
