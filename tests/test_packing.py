@@ -100,15 +100,51 @@ def test_scaled_signs_read_their_input_once(name):
     comp, plain = SCALES[name]
     x = jax.random.normal(jax.random.key(0), (1 << 16,))
     compress = jax.jit(comp.compress)
-    entry = compress.lower(jax.random.key(1), x).compile().as_text()
+    readers = input_readers(compress, jax.random.key(1), x)
+    assert len(readers) == 1, readers
+    scale = compress(jax.random.key(1), x).wire["scale"]
+    np.testing.assert_allclose(float(scale), float(plain(x)), rtol=1e-6)
+
+
+def input_readers(fn, key, x) -> list[str]:
+    """The operations of ``fn(key, x)``'s compiled program that read ``x`` (float32,
+    1-D), but for a conditional's branches (which run only on overflow)."""
+    entry = fn.lower(key, x).compile().as_text()
     entry = entry[entry.index("ENTRY") :].splitlines()
-    param = re.search(r"(%\S+) = f32\[65536\]\S* parameter\(0\)", "\n".join(entry)).group(1)
-    readers = [
+    shape = rf"f32\[{x.shape[0]}\]"
+    param = re.search(rf"(%\S+) = {shape}\S* parameter\(\d+\)", "\n".join(entry)).group(1)
+    return [
         line
         for line in entry[1:]
         if re.search(re.escape(param) + r"\b", line)
         and not re.search(r"parameter\(|\) tuple\(|conditional\(", line)
     ]
+
+
+@pytest.mark.parametrize("widths", [(8, 1), (4, 2), (2, 2), (16, 1), (4, 4)])
+def test_pack_fields_pair_is_both_packings_in_one_pass(widths):
+    """The words of two :func:`pack_fields` calls, at sizes around a word; one compiled
+    reduction reads the codes' input."""
+    wide_width, narrow_width = widths
+    rng = np.random.default_rng(sum(widths))
+    run = jax.jit(packing.pack_fields_pair, static_argnums=(1, 3))
+    for n in (0, 1, 31, 32, 33, 100, 5000):
+        wide = rng.integers(0, 1 << wide_width, n).astype(np.uint32)
+        narrow = rng.integers(0, 1 << narrow_width, n).astype(np.uint32)
+        got = run(jnp.asarray(wide), wide_width, jnp.asarray(narrow), narrow_width)
+        for words, codes, width in zip(got, (wide, narrow), widths, strict=True):
+            expected = packing.pack_fields(jnp.asarray(codes), width, 32 // width)
+            np.testing.assert_array_equal(np.asarray(words), np.asarray(expected))
+            np.testing.assert_array_equal(
+                np.asarray(packing.unpack_fields(words, width, 32 // width, n)), codes
+            )
+    with pytest.raises(ValueError, match="widths"):
+        packing.pack_fields_pair(jnp.zeros(3, jnp.uint32), 1, jnp.zeros(3, jnp.uint32), 2)
+
+
+def test_natural_compression_reads_its_input_once():
+    """Exponents and signs are packed in one pass: one operation of the compiled compress
+    reads the input."""
+    x = jax.random.normal(jax.random.key(0), (1 << 16,))
+    readers = input_readers(jax.jit(compjax.natural().compress), jax.random.key(1), x)
     assert len(readers) == 1, readers
-    scale = compress(jax.random.key(1), x).wire["scale"]
-    np.testing.assert_allclose(float(scale), float(plain(x)), rtol=1e-6)

@@ -206,12 +206,34 @@ def test_natural_is_unbiased_on_subnormals():
 def test_natural_wire_is_the_float32_exponent():
     x = jnp.array([3.0, -0.75, 0.0, 1.0])
     payload = compjax.natural().compress(jax.random.key(7), x)
-    assert payload.wire["exponents"].dtype == jnp.uint8
-    assert payload.wire["signs"].dtype == jnp.uint8
+    # Four exponent fields to a uint32 word and 32 signs to another, first entry lowest.
+    assert payload.wire["exponents"].dtype == jnp.uint32
+    assert payload.wire["signs"].dtype == jnp.uint32
     np.testing.assert_array_equal(np.asarray(payload.wire["signs"]), [0b0010])
-    exps = np.asarray(payload.wire["exponents"]).astype(int) - 127
-    assert exps[0] in (1, 2) and exps[1] in (-1, 0) and exps[3] == 0
-    assert payload.wire["exponents"][2] == 0
+    (word,) = np.asarray(payload.wire["exponents"]).astype(int)
+    exps = [(word >> (8 * k)) & 0xFF for k in range(4)]
+    assert exps[0] - 127 in (1, 2) and exps[1] - 127 in (-1, 0) and exps[3] == 127
+    assert exps[2] == 0
+    assert compjax.wire_bits(payload) == 2 * 32 == compjax.natural().bits(x.shape)
+
+
+def test_natural_wire_of_a_ragged_length():
+    """37 entries: 10 exponent words and 2 sign words, the padding zero."""
+    x = -jnp.arange(1, 38, dtype=jnp.float32)
+    payload = compjax.natural().compress(jax.random.key(7), x)
+    exponents = np.asarray(payload.wire["exponents"])
+    signs = np.asarray(payload.wire["signs"])
+    assert exponents.shape == (10,) and signs.shape == (2,)
+    np.testing.assert_array_equal(signs, [0xFFFFFFFF, 0b11111])
+    assert exponents[-1] >> 8 == 0  # entries 37..39 do not exist
+    magnitudes = np.arange(1, 38)
+    fields = ((exponents[:, None] >> (8 * np.arange(4))) & 0xFF).reshape(-1)[:37]
+    rounded_up = fields - 127 - np.floor(np.log2(magnitudes))
+    assert set(rounded_up) <= {0, 1}
+    powers = (magnitudes & (magnitudes - 1)) == 0  # mantissa 0: never rounded
+    assert not rounded_up[powers].any()
+    decoded = np.asarray(compjax.natural().decompress(payload))
+    np.testing.assert_array_equal(decoded, -(2.0 ** (fields - 127.0)))
 
 
 def test_averaging_workers_divides_variance():

@@ -25,6 +25,8 @@ _MANTISSA_MASK = (1 << _MANTISSA_BITS) - 1
 _MAX_FINITE_EXPONENT = 254
 # float16's top binade [2^15, 65504]: 2^16 decodes to 65504 (saturated).
 _F16_TOP_EXPONENT = 127 + 15
+#: The 8-bit exponent fields in one uint32 word of the wire.
+_EXPONENTS_PER_WORD = 4
 
 
 def round_up_threshold(exponent: jax.Array, mantissa: jax.Array, dtype) -> jax.Array:
@@ -49,7 +51,7 @@ class Natural(Elementwise, Compressor):
     unbiased: ClassVar[bool] = True
 
     def units(self, d, dtype):
-        return {"exponents": 1, "signs": 8}
+        return {"exponents": _EXPONENTS_PER_WORD, "signs": packing.WORD}
 
     def encode(self, key, flat, dtype):
         return self.encode_span(key, flat, 0, flat.shape[0], {}, dtype), {}
@@ -63,15 +65,13 @@ class Natural(Elementwise, Compressor):
         up = (draw < round_up_threshold(exponent, mantissa, dtype)).astype(jnp.uint32)
         finite = exponent < 255
         rounded = jnp.where(finite, jnp.minimum(exponent + up, _MAX_FINITE_EXPONENT), exponent)
-        return {
-            "exponents": rounded.astype(jnp.uint8),
-            "signs": packing.pack(word >> 31, 1),
-        }
+        exponents, signs = packing.pack_fields_pair(rounded, 8, word >> 31, 1)
+        return {"exponents": exponents, "signs": signs}
 
     def decode_span(self, wire, side, offset, n, d, dtype):
-        sign = packing.unpack(wire["signs"], 1, n) << 31
-        word = sign | (wire["exponents"].astype(jnp.uint32) << _MANTISSA_BITS)
-        return jax.lax.bitcast_convert_type(word, jnp.float32)
+        sign = packing.unpack_fields(wire["signs"], 1, packing.WORD, n) << 31
+        exponent = packing.unpack_fields(wire["exponents"], 8, _EXPONENTS_PER_WORD, n)
+        return jax.lax.bitcast_convert_type(sign | (exponent << _MANTISSA_BITS), jnp.float32)
 
     def omega(self, d):
         return 1.0 / 8.0
@@ -84,17 +84,20 @@ class Natural(Elementwise, Compressor):
 
     def bits(self, shape, dtype=jnp.float32):
         d = math.prod(shape)
-        return 8 * d + packing.packed_bits(d, 1)
+        return packing.WORD * (-(-d // _EXPONENTS_PER_WORD) + -(-d // packing.WORD))
 
 
 def natural() -> Natural:
     """Natural compression: ``|t| in [2^a, 2^(a+1))`` becomes ``2^a`` or ``2^(a+1)``.
 
     It rounds up with probability ``(|t| - 2^a) / 2^a``, so it is unbiased, and
-    sends 9 bits per entry: the 8-bit float32 exponent field (as uint8) and the
-    sign bit (bit-packed 8 per byte).  On float32 bits this is "drop the
-    mantissa, carrying into the exponent with probability mantissa / 2^23";
-    decoding puts sign and exponent back with a zero mantissa.
+    sends 9 bits per entry: the 8-bit float32 exponent field, 4 to a uint32
+    word, and the sign bit, 32 to a word (:func:`compjax.packing.pack_fields`:
+    entry ``i`` in word ``i // 4``, bits ``8 (i % 4) ..``, and word ``i // 32``,
+    bit ``i % 32``; both packed in one pass, :func:`compjax.packing.pack_fields_pair`).
+    On float32 bits this is "drop the mantissa, carrying into the exponent
+    with probability mantissa / 2^23"; decoding puts sign and exponent back
+    with a zero mantissa.
 
     Exact powers of two (mantissa 0) are never changed, zero stays zero,
     subnormal inputs round to 0 or the smallest normal number ``2^-126``
