@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from compjax.draws import counts_entries, hash_counters, random_bits
+from compjax.draws import counts_entries, hash_counters, random_bits, seed_of
 
 
 def next_power_of_two(n: int) -> int:
@@ -118,7 +118,7 @@ def unrotate(signs: jax.Array, y: jax.Array) -> jax.Array:
 def _sign_draws(key, n: int, rounds: int):
     """Per round, the words of :func:`random_signs`' stream as a function of the index:
     round ``k``, entry ``i`` is counter ``k n + i`` of :func:`compjax.draws.counter_bits`."""
-    seed = jax.random.bits(key, (2,), jnp.uint32)
+    seed = seed_of(key)
 
     def draw(k):
         return lambda index: hash_counters(seed, index + jnp.uint32(k * n))

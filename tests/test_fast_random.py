@@ -1,7 +1,8 @@
 """The counter-based sampler behind ``bernoulli`` and natural compression.
 
-``compjax.draws.random_bits`` expands one threefry draw (a 64-bit seed
-``(s0, s1)``) to 32 bits per entry, ``mix32((i + s0) ^ s1)``.
+``compjax.draws.random_bits`` expands a threefry key's 64 bits, through three
+Feistel rounds (``seed_of``, a bijection: checked by running it backwards), to
+32 bits per entry, ``mix32((i + s0) ^ s1)`` with ``(s0, s1)`` the seed.
 What the theory needs, and how it is checked here:
 
 * **exact marginals**: for each entry ``i`` and each ``s1`` the map
@@ -28,7 +29,15 @@ import pytest
 from scipy import stats
 
 import compjax
-from compjax.draws import _TRIPLE32, bernoulli, counter_bits, mix32, random_bits
+from compjax.draws import (
+    _SEED_ROUNDS,
+    _TRIPLE32,
+    bernoulli,
+    counter_bits,
+    mix32,
+    random_bits,
+    seed_of,
+)
 
 ALPHA = 1e-6  # false-alarm probability of each statistical test
 Z = float(stats.norm.isf(ALPHA / 2))  # two-sided z bound, about 4.9
@@ -99,7 +108,7 @@ def test_dispatch():
     """Threefry keys (typed and raw) take the hash; other implementations their own bits."""
     key = jax.random.key(3)
     bits = jax.jit(random_bits, static_argnums=1)
-    expect = counter_bits(jax.random.bits(key, (2,), jnp.uint32), 12).reshape(3, 4)
+    expect = counter_bits(seed_of(key), 12).reshape(3, 4)
     np.testing.assert_array_equal(bits(key, (3, 4)), expect)
     np.testing.assert_array_equal(bits(jax.random.key_data(key), (3, 4)), expect)
     rbg = jax.random.key(3, impl="rbg")
@@ -177,6 +186,36 @@ def test_bernoulli_frequency(p):
     total = n * len(keys)
     z = (float(jnp.sum(draws)) - total * p) / np.sqrt(total * p * (1 - p))
     assert abs(z) < Z, z
+
+
+def test_seed_of_is_a_bijection_of_the_key():
+    """The Feistel rounds run backwards give every key back (so a uniform key gives a
+    uniform seed); the seed is computed from the key's data, typed or raw."""
+    rng = np.random.default_rng(7)
+    data = rng.integers(0, 1 << 32, (4096, 2), dtype=np.uint64).astype(np.uint32)
+    seeds = np.asarray(jax.jit(jax.vmap(seed_of))(jnp.asarray(data)), np.uint64)
+    left, right = seeds[:, 0], seeds[:, 1]
+    for c in reversed(_SEED_ROUNDS):
+        mixed = np.asarray(mix32(jnp.asarray((left ^ np.uint64(c)).astype(np.uint32))), np.uint64)
+        left, right = right ^ mixed, left
+    np.testing.assert_array_equal(np.stack([left, right], axis=1), data)
+    assert len({tuple(s) for s in seeds}) == len(data)
+    key = jax.random.key(11)
+    np.testing.assert_array_equal(seed_of(key), seed_of(jax.random.key_data(key)))
+
+
+def test_seed_of_avalanche_over_the_key():
+    """Flipping any one bit of the key flips each seed bit with frequency near 1/2:
+    keys one bit apart (``key(0)``, ``key(1)``) draw unrelated streams."""
+    rng = np.random.default_rng(8)
+    data = jnp.asarray(rng.integers(0, 1 << 32, (2048, 2), dtype=np.uint64).astype(np.uint32))
+    base = np.asarray(jax.vmap(seed_of)(data), np.uint64)
+    for word in range(2):
+        for bit in range(32):
+            flipped = data.at[:, word].set(data[:, word] ^ jnp.uint32(1 << bit))
+            diff = base ^ np.asarray(jax.vmap(seed_of)(flipped), np.uint64)
+            rate = np.unpackbits(diff.astype(">u4").view(np.uint8)).mean()
+            assert abs(rate - 0.5) < Z * 0.5 / np.sqrt(64 * len(data)), (word, bit, rate)
 
 
 def test_seed_bits_avalanche():
