@@ -7,7 +7,8 @@ signs (1 bit), ternaries (2 bits) and QSGD's sign-magnitude codes.
 
 Fields of any width up to 32 bits packed into uint32 words
 (:func:`pack_fields`) are the wire format of :func:`compjax.int_quant`'s
-summable codes, whose fields are sized for a sum over workers.
+summable codes, whose fields are sized for a sum over workers, and of
+:func:`compjax.natural`'s exponents and signs (:func:`pack_fields_pair`).
 """
 
 from __future__ import annotations
