@@ -9,8 +9,8 @@ as its pieces instead (slices of the flattened leaves, nothing copied):
 * statistics of the whole bucket (a norm, a mean magnitude, ``max|x|``) are
   reduced piece by piece and combined (:meth:`Pieces.reduce`);
 * per-entry codes are computed over :func:`spans`: runs of entries that
-  start at a multiple of the packing ``unit`` (8 one-bit codes to a byte, a
-  row of QSGD's own buckets), so each span packs into whole bytes (words,
+  start at a multiple of the packing ``unit`` (32 one-bit codes to a word, a
+  row of QSGD's own buckets), so each span packs into whole words (or
   rows) of the bucket's message and the spans' payloads concatenate into
   exactly the message of the concatenated bucket.  A span lies inside one
   piece except where a piece's boundary is not aligned: there the few

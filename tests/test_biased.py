@@ -63,7 +63,8 @@ def test_scaled_sign_equality_at_one_sparse():
 def test_sign_is_one_bit_of_sign():
     x = jnp.array([-2.0, 0.0, 3.0, -0.0, -1e-30, 5.0, 1.0, -1.0, 2.0])
     payload, y = compjax.sign().compress(None, x), compjax.sign()(None, x)
-    assert payload.wire["signs"].dtype == jnp.uint8 and payload.wire["signs"].shape == (2,)
+    assert payload.wire["signs"].dtype == jnp.uint32 and payload.wire["signs"].shape == (1,)
+    assert int(payload.wire["signs"][0]) == 0b010010001  # bit i: entry i negative
     np.testing.assert_array_equal(y, [-1, 1, 1, 1, -1, 1, 1, -1, 1])
 
 

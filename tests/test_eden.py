@@ -127,9 +127,9 @@ def test_wire_format_counts_the_padding():
     for comp in (compjax.eden(), compjax.drive(rounds=1)):
         for d, padded in ((0, 0), (1, 1), (7, 8), (9, 16), (1000, 1024)):
             payload = jax.eval_shape(comp.compress, jax.random.key(0), jnp.zeros(d))
-            assert payload.wire["signs"].dtype == jnp.uint8
+            assert payload.wire["signs"].dtype == jnp.uint32
             assert payload.wire["scale"].dtype == jnp.float32
-            assert compjax.wire_bits(payload) == 32 + 8 * math.ceil(padded / 8)
+            assert compjax.wire_bits(payload) == 32 + 32 * math.ceil(padded / 32)
             assert "key" in payload.side  # the rotation is never sent
     assert compjax.eden().bits((1024,)) == 1024 + 32
 
@@ -243,7 +243,7 @@ def test_lloyd_max_codebooks():
 def test_multibit_wire_unbiased_and_below_omega(bits):
     comp = compjax.eden(bits)
     payload = jax.eval_shape(comp.compress, jax.random.key(0), jnp.zeros(100))
-    assert payload.wire["codes"].dtype == jnp.uint8
+    assert payload.wire["codes"].dtype == jnp.uint32
     assert compjax.wire_bits(payload) == 32 + 128 * bits == comp.bits((100,))
     d = 256
     fam = _family(d)

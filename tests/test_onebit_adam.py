@@ -451,8 +451,8 @@ def test_communication_counts_the_compressed_phase():
     n = 4
     report = compjax.communication(compjax.scale_by_onebit_adam("data", 10), params, "data", n)
 
-    def signs(d):  # packed signs: whole bytes
-        return 8 * -(-d // 8)
+    def signs(d):  # packed signs: whole uint32 words
+        return 32 * -(-d // 32)
 
     expected = 8  # the non-finite flag
     for d in (300, 5):

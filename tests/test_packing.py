@@ -28,29 +28,34 @@ def test_round_trip(width, n, seed):
 
 def test_layout_first_code_in_low_bits():
     packed = packing.pack(jnp.array([1, 0, 0, 1, 1, 1, 0, 0, 1], jnp.uint32), 1)
-    np.testing.assert_array_equal(np.asarray(packed), [0b00111001, 0b1])
+    assert packed.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(packed), [0b100111001])
     packed = packing.pack(jnp.array([3, 0, 1, 2, 2], jnp.uint32), 2)
-    np.testing.assert_array_equal(np.asarray(packed), [0b10010011, 0b10])
+    np.testing.assert_array_equal(np.asarray(packed), [0b1010010011])
+    packed = packing.pack(jnp.array([1] * 32 + [0, 1], jnp.uint32), 1)
+    np.testing.assert_array_equal(np.asarray(packed), [0xFFFFFFFF, 0b10])
 
 
-def reference_bytes(codes: np.ndarray, width: int) -> np.ndarray:
-    """The wire format written plainly: byte j holds codes j*k .. j*k+k-1, k = 8 // width,
+def reference_words(codes: np.ndarray, width: int) -> np.ndarray:
+    """The wire format written plainly: word j holds codes j*k .. j*k+k-1, k = 32 // width,
     the first in the least significant bits."""
-    per_byte = 8 // width
-    padded = np.zeros(-(-codes.size // per_byte) * per_byte, np.uint64)
+    per_word = 32 // width
+    padded = np.zeros(-(-codes.size // per_word) * per_word, np.uint64)
     padded[: codes.size] = codes
-    groups = padded.reshape(-1, per_byte) << (width * np.arange(per_byte, dtype=np.uint64))
-    return groups.sum(axis=1).astype(np.uint8)
+    groups = padded.reshape(-1, per_word) << (width * np.arange(per_word, dtype=np.uint64))
+    return groups.sum(axis=1).astype(np.uint32)
 
 
 @pytest.mark.parametrize("width", [1, 2, 4])
-def test_bytes_match_the_plain_layout(width):
-    """Packing through 32-bit words gives exactly the byte layout, at sizes around a word."""
+def test_words_match_the_plain_layout(width):
+    """``pack`` gives exactly the word layout, and as many bits as ``packed_bits`` counts,
+    at sizes around a word."""
     rng = np.random.default_rng(width)
-    for n in (0, 7, 32, 33, 100):
+    for n in (0, 7, 32 // width, 32 // width + 1, 32, 33, 100):
         codes = rng.integers(0, 1 << width, n).astype(np.uint32)
         packed = packing.pack(jnp.asarray(codes), width)
-        np.testing.assert_array_equal(np.asarray(packed), reference_bytes(codes, width))
+        np.testing.assert_array_equal(np.asarray(packed), reference_words(codes, width))
+        assert packed.size * 32 == packing.packed_bits(n, width) == -(-n * width // 32) * 32
         np.testing.assert_array_equal(np.asarray(packing.unpack(packed, width, n)), codes)
 
 
@@ -68,7 +73,7 @@ def test_bad_width():
 
 @pytest.mark.parametrize("width", [1, 2, 4])
 def test_pack_summing_packs_and_sums_in_one_pass(width):
-    """The bytes of ``pack`` and the sum of the terms (float64 reference, float32 rounding),
+    """The words of ``pack`` and the sum of the terms (float64 reference, float32 rounding),
     at sizes around a word; NaN and Inf terms reach the sum."""
     rng = np.random.default_rng(10 + width)
     run = jax.jit(packing.pack_summing, static_argnums=1)
@@ -76,7 +81,7 @@ def test_pack_summing_packs_and_sums_in_one_pass(width):
         codes = rng.integers(0, 1 << width, n).astype(np.uint32)
         terms = np.abs(rng.standard_normal(n)).astype(np.float32)
         packed, total = run(jnp.asarray(codes), width, jnp.asarray(terms))
-        np.testing.assert_array_equal(np.asarray(packed), reference_bytes(codes, width))
+        np.testing.assert_array_equal(np.asarray(packed), reference_words(codes, width))
         np.testing.assert_allclose(float(total), np.sum(terms, dtype=np.float64), rtol=1e-6)
     for bad in (np.inf, np.nan):
         terms[17] = bad

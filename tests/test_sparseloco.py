@@ -53,10 +53,10 @@ def test_selection_and_codes_match_numpy(bits):
     assert (np.asarray(y) != 0).sum() == 9 * 3 - 2  # the last chunk holds one entry and 7 pads
     if bits == 2:
         assert len(np.unique(np.asarray(y)[np.asarray(y) != 0])) <= 4
-        assert payload.wire["codes"].dtype == payload.wire["indices"].dtype == jnp.uint8
-    # bits: 27 positions below 8 as 4-bit codes in 14 bytes, then 27 float32 values, or
-    # 27 2-bit codes in 7 bytes and the 4 bin means in float32.
-    wire = 14 * 8 + (27 * 32 if bits is None else 7 * 8 + 4 * 32)
+        assert payload.wire["codes"].dtype == payload.wire["indices"].dtype == jnp.uint32
+    # bits: 27 positions below 8 as 4-bit codes in 4 words, then 27 float32 values, or
+    # 27 2-bit codes in 2 words and the 4 bin means in float32.
+    wire = 4 * 32 + (27 * 32 if bits is None else 2 * 32 + 4 * 32)
     assert compjax.wire_bits(payload) == comp.bits(X.shape) == wire
 
 

@@ -295,7 +295,7 @@ def test_sign_vote_scatter_gather_is_the_all_gather_vote(n):
         "data",
         num_workers=n,
     )
-    scatter, gather = n * -(-m // 8) * 8, -(-m * width // 8) * 8
+    scatter, gather = n * -(-m // 32) * 32, -(-m * width // 32) * 32  # whole uint32 words
     assert report.payloads == (("flag", 8), ("scatter", scatter), ("gather", gather))
 
 

@@ -259,7 +259,8 @@ def test_qsgd_decodes_its_wire_as_transcribed(levels, bucket, d):
     payload = comp.compress(jax.random.key(1), x)
     raw = np.asarray(payload.wire["codes"])
     if comp.width == 4:
-        codes = np.stack([raw & 15, raw >> 4], axis=-1).reshape(-1)[:d].astype(np.int64)
+        fields = [(raw >> (4 * k)) & 15 for k in range(8)]  # 8 codes to a uint32 word
+        codes = np.stack(fields, axis=-1).reshape(-1)[:d].astype(np.int64)
     else:
         codes = raw.astype(np.int64)
     level, sign = codes & ((1 << comp.magnitude_bits) - 1), codes >> (comp.width - 1)

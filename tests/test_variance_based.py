@@ -357,10 +357,11 @@ def test_wire_format_of_the_quantised_values():
     expected = [1.0, -0.5, 0.5, 1.0, -(2.0**-7), 0.0, 2.0**-7, 0.5, 0.25]
     np.testing.assert_array_equal(q, expected)
     np.testing.assert_array_equal(payload.wire["indices"], [0, 1, 2, 3, 4, 9, 6, 7, 8])
-    # codes 8*sign + k: 0, 9, 1, 0, 15, (unused) 0, 7, 1, 2; two per byte, low nibble first
-    np.testing.assert_array_equal(payload.wire["codes"], [0x90, 0x01, 0x0F, 0x17, 0x02])
+    # codes 8*sign + k: 0, 9, 1, 0, 15, (unused) 0, 7, 1, 2; eight to a uint32 word, the first
+    # in the lowest nibble
+    np.testing.assert_array_equal(payload.wire["codes"], [0x170F0190, 0x2])
     assert payload.wire["scale"] == 1.0
-    assert compjax.wire_bits(payload) == 32 * 9 + 8 * 5 + 32
+    assert compjax.wire_bits(payload) == 32 * 9 + 32 * 2 + 32
     # Through the transformation: decoded values, kept residuals.
     tx = variance_based(None, 0.5, ZETA, budget=1.0)
     upd, state = jax.jit(tx.update)({"x": r[None]}, tx.init({"x": jnp.zeros(9)}))
@@ -375,7 +376,7 @@ def test_flatten_sends_one_message_and_loses_nothing():
     outs, states = run_steps(tx, grads)
     report = compjax.communication(with_batch_axis(tx), PARAMS, "data", 2)
     k = slots(0.5, 18)
-    assert report.messages == (("flag", 8), ("payload", 32 * k + 8 * math.ceil(k / 2) + 32))
+    assert report.messages == (("flag", 8), ("payload", 32 * k + 32 * math.ceil(k / 8) + 32))
     flat = states[-1].r[:, 0].mean(0)  # the flattened residual: b then w
     residual = {"b": flat[:3], "w": flat[3:].reshape(5, 3)}
     total = {k: sum(np.asarray(g[k]).mean((0, 1)) for g in grads) for k in PARAMS}
@@ -395,11 +396,11 @@ def with_batch_axis(tx):
 def test_padded_bits_are_counted_from_the_payloads():
     report = compjax.communication(with_batch_axis(VB), PARAMS, "data", 2)
     expected = [
-        ("payload", 32 * k + 8 * math.ceil(k / 2) + 32) for k in (slots(0.5, 3), slots(0.5, 15))
+        ("payload", 32 * k + 32 * math.ceil(k / 8) + 32) for k in (slots(0.5, 3), slots(0.5, 15))
     ]
     assert report.messages == (("flag", 8), *expected)  # leaves in order b, w
     report = compjax.communication(STROM, PARAMS, "data", 2)
-    expected = [("payload", 32 * k + 8 * math.ceil(k / 8)) for k in (2, 8)]
+    expected = [("payload", 32 * k + 32 * math.ceil(k / 32)) for k in (2, 8)]
     assert report.messages == (("flag", 8), *expected)
 
 

@@ -190,7 +190,7 @@ def chunked_top_k(
     float32.  ``bits=None`` sends the kept values in float32.
 
     Bits for ``d`` entries with ``n = ceil(d / chunk)`` chunks:
-    ``n k (index width + bits) + 32 * 2**bits`` (whole bytes per field).
+    ``n k (index width + bits) + 32 * 2**bits`` (whole words per field of codes below 8 bits).
 
     Biased; with float32 values contractive, ``delta = k / chunk``.  The
     lookup quantiser replaces each value by its bin's mean, which never adds

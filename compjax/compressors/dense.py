@@ -21,7 +21,7 @@ import numpy as np
 
 from compjax.compressor import Compressor, dtype_max, to_dtype
 from compjax.compressors.elementwise import Elementwise
-from compjax.packing import pack, packed_bits, unpack
+from compjax.packing import codes_per_element, pack, packed_bits, unpack
 
 _CAST_DTYPES = {
     "float4_e2m1fn": np.dtype(jnp.float4_e2m1fn),
@@ -103,7 +103,7 @@ class Cast(Elementwise, Compressor):
     sums of decodes accumulate in float32.
 
     float8_e4m3fn travels as one byte per entry; float4_e2m1fn as 4-bit
-    codes packed two to a byte (:func:`compjax.packing.pack`).  Neither has
+    codes packed eight to a uint32 word (:func:`compjax.packing.pack`).  Neither has
     an Inf: an infinite input decodes as NaN (float8_e4m3fn's own rounding;
     float4_e2m1fn has no NaN either, so its code of -0 carries NaN and ±Inf,
     and zeros are sent as +0).
@@ -136,7 +136,7 @@ class Cast(Elementwise, Compressor):
         return self.encode_span(key, flat, 0, flat.shape[0], {}, dtype), {}
 
     def units(self, d, dtype):
-        return {"codes": 2} if self.packed else {"values": 1}
+        return {"codes": codes_per_element(4)} if self.packed else {"values": 1}
 
     def encode_span(self, key, flat, offset, d, stats, dtype):
         if self.packed:
@@ -185,7 +185,7 @@ def cast(dtype) -> Cast:
       dtype: the wire dtype, one of ``float16``, ``bfloat16``, ``float32``,
         ``float8_e4m3fn`` (8 bits: 3 mantissa bits, largest finite value 448)
         or ``float4_e2m1fn`` (4 bits: 1 mantissa bit, largest finite value 6,
-        packed two entries to a byte), a name or a dtype.  The 8- and 4-bit
+        packed eight entries to a uint32 word), a name or a dtype.  The 8- and 4-bit
         types have a narrow range: scale the array into it first (entries
         below half the smallest subnormal, 2**-10 and 0.25, are sent as 0).
 

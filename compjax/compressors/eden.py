@@ -194,7 +194,7 @@ def eden(bits: int = 1, rounds: int = 3) -> Drive:
     Pads ``x`` with zeros to ``d'``, the next power of two, rotates it with
     ``R = H D_r ... H D_1 / sqrt(d')^r`` (fast Walsh-Hadamard transforms and
     random sign diagonals, ``O(d' log d')``), and sends ``d'`` sign bits
-    (packed 8 per byte; the padding is counted) and one float32 scale
+    (packed 32 to a uint32 word; the padding is counted) and one float32 scale
     ``S = ||x||^2 / ||R x||_1``.  The receiver decodes
     ``x_hat = R^T (S sign(R x))`` and drops the padding.
 
@@ -202,7 +202,7 @@ def eden(bits: int = 1, rounds: int = 3) -> Drive:
     ``||x|| / sqrt(d')``, is rounded to the nearest of the ``2^bits``
     Lloyd-Max centroids of the standard normal (:func:`lloyd_max`), and the
     scale is ``||x||^2 / <R x, q>`` so that again ``<x_hat, x> = ||x||^2``;
-    the codes are packed ``8 / bits`` per byte.  Under a uniformly random
+    the codes are packed ``32 / bits`` to a uint32 word.  Under a uniformly random
     rotation the vNMSE rises to ``D / (1 - D)`` with ``D`` the quantiser's
     distortion of ``N(0, 1)``: ``omega(d)`` = 0.1331 for 2 bits, 0.009592
     for 4 (``pi/2 - 1`` for one bit).

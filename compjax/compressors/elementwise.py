@@ -9,7 +9,7 @@ makes from the entry's index.  So the message of a gradient bucket can be
 built from its pieces where they lie (:class:`compjax.pieces.Pieces`), with
 no copy of the bucket: the statistics are reduced piece by piece, and the
 codes are computed and packed over aligned spans
-(:func:`compjax.pieces.spans`) whose packed bytes, words or rows
+(:func:`compjax.pieces.spans`) whose packed words or rows
 concatenate into the bucket's message.  The message is the same as that of
 the concatenated bucket: every wire array has the same shape, the codes are
 drawn with the same random bits, and the statistics are equal (maxima
@@ -36,8 +36,8 @@ class Elementwise:
     The compressor defines
 
     * ``units(d, dtype)``: its per-entry wire fields, each with the number of
-      entries one element holds (8 for signs packed 8 to a byte, 1 for a byte
-      per entry, a row's length for QSGD's norms per row);
+      entries one element holds (32 for signs packed 32 to a word, 1 for a
+      value per entry, a row's length for QSGD's norms per row);
     * ``statistics(key, pieces, dtype)``: the wire fields of the whole array
       (a scale), reduced over the pieces, and under names that start with
       ``_`` what ``encode_span`` needs besides (not sent); none by default;

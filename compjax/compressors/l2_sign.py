@@ -111,7 +111,7 @@ def l2_scaled_sign() -> L2ScaledSign:
     are sent as ``+1`` like :func:`compjax.sign`; a zero input has scale 0 and
     decodes to zeros.
 
-    Wire format: one float32 scale and the signs bit-packed 8 per byte.
+    Wire format: one float32 scale and the signs bit-packed 32 to a uint32 word.
 
     Theory: biased and *not* contractive (``delta`` is ``None``):
     ``||C(x) - x||^2 = 2 ||x||_2 (||x||_2 - ||x||_1 / sqrt(d))``, which

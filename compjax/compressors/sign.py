@@ -78,7 +78,7 @@ def sign_values(bits):
 
 
 class SignCodes(Elementwise):
-    """Signs packed 8 per byte, times a scale where the compressor has one.
+    """Signs packed 32 to a uint32 word, times a scale where the compressor has one.
 
     A scaled compressor's scale is a mean of per-entry terms (``|x|``,
     ``x^2``) that the signs do not depend on, so their sum is reduced in the
@@ -88,7 +88,7 @@ class SignCodes(Elementwise):
     """
 
     def units(self, d, dtype):
-        return {"signs": 8}
+        return {"signs": packing.codes_per_element(1)}
 
     def encode_span(self, key, x, offset, d, stats, dtype):
         return {"signs": packing.pack(sign_bits(x), 1)}
@@ -117,7 +117,8 @@ class SignCodes(Elementwise):
     def encode_pieces(self, key, pieces, dtype):
         if self.scaling is None:
             return Elementwise.encode_pieces(self, key, pieces, dtype)
-        fields = encode_spans(pieces, 8, lambda x, offset: self._signs_summing(x))
+        unit = packing.codes_per_element(1)
+        fields = encode_spans(pieces, unit, lambda x, offset: self._signs_summing(x))
         total = jnp.sum(fields.pop("_total"))  # the spans' sums, in order
         return {"scale": self.scaling[2](pieces, total), **fields}, {}
 
@@ -150,7 +151,7 @@ class ScaledSign(SignCodes, Compressor):
 def sign() -> Sign:
     """signSGD's compressor: ``C(x) = sign(x)``, one bit per entry.
 
-    Wire format: signs bit-packed 8 per byte.  Zero entries are sent as
+    Wire format: signs bit-packed 32 to a uint32 word.  Zero entries are sent as
     ``+1`` (one bit has no room for a zero), so a zero input decodes to all
     ones; use :func:`scaled_sign` where zero must map to zero.
 
@@ -167,7 +168,7 @@ def sign() -> Sign:
 def scaled_sign() -> ScaledSign:
     """EF-signSGD's compressor: ``C(x) = (||x||_1 / d) sign(x)``.
 
-    Wire format: one float32 scale and signs bit-packed 8 per byte.
+    Wire format: one float32 scale and signs bit-packed 32 to a uint32 word.
 
     Theory: biased and contractive, ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / d``
     exactly, so ``delta(x) = ||x||_1^2 / (d ||x||^2)`` and ``delta(d) = 1/d``

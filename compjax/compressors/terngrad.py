@@ -20,7 +20,7 @@ from compjax.draws import bernoulli
 from compjax.numerics import divide, ldexp, magnitude, round_up_to, unit_scale
 from compjax.pieces import Pieces
 
-# Ternary codes, 2 bits each, 4 per byte.
+# Ternary codes, 2 bits each, 16 to a uint32 word.
 ZERO, PLUS, MINUS = 0, 1, 2
 
 
@@ -103,7 +103,7 @@ class TernGrad(Elementwise, Compressor):
         return {**stats, **self.encode_span(key, flat, 0, flat.shape[0], stats, dtype)}, {}
 
     def units(self, d, dtype):
-        return {"codes": 4}
+        return {"codes": packing.codes_per_element(2)}
 
     def statistics(self, key, pieces, dtype):
         top = pieces.reduce(jnp.abs, "max")
@@ -137,7 +137,7 @@ class TernGrad(Elementwise, Compressor):
 def terngrad(clip: float | None = None) -> TernGrad:
     """TernGrad: ``C(x) = s sign(x) * b`` with ``s = max|x|``, ``b_k ~ Bernoulli(|x_k|/s)``.
 
-    Wire format: one float32 scaler and 2-bit ternary codes packed 4 per byte.
+    Wire format: one float32 scaler and 2-bit ternary codes packed 16 to a uint32 word.
     The scaler is on the input dtype's grid (rounded up where clipping made
     it inexact), so ``+-s`` decode exactly in bfloat16 and float16 too.
 

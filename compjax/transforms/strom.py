@@ -80,10 +80,10 @@ def strom_threshold(
     subtraction).  The update is the mean over workers of the sent values.
 
     Wire format (per leaf, or per tree with ``flatten``; ``K`` slots):
-    ``indices`` int32[K] and ``signs`` one bit per slot packed 8 per byte
-    (uint8[ceil(K/8)], 1 = negative); ``tau`` is known to every worker, so no
+    ``indices`` int32[K] and ``signs`` one bit per slot packed 32 to a word
+    (uint32[ceil(K/32)], 1 = negative); ``tau`` is known to every worker, so no
     scale is sent.  Unused slots hold index ``d`` (dropped) and sign 0.  Padded
-    bits ``32 K + 8 ceil(K/8)``; real bits ``33`` per coordinate sent (for
+    bits ``32 K + 32 ceil(K/32)``; real bits ``33`` per coordinate sent (for
     ``d < 2^31`` a 31-bit index and the sign could share one 32-bit word, as
     Strom describes; not done here).  When more than
     ``K`` coordinates exceed ``tau``, the ``K`` of largest ``|r|`` are sent
