@@ -97,6 +97,25 @@ def dtype_max(dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
+#: A float32 sum of squares at least ``d`` times this is exact to its rounding:
+#: the squares a CPU flushes to zero (entries below ``2**-63``) add less than
+#: ``d * 2**-126``, below ``2**-24`` of it.
+UNFLUSHED = 2.0**-102
+
+
+def squares_safe(total: jax.Array, d: int) -> jax.Array:
+    """Whether ``total``, a plain float32 sum of ``d`` squares, is the sum itself: finite and
+    at least ``d * 2**-102`` (:data:`UNFLUSHED`).
+
+    Where it is, its square root equals :func:`safe_norm`'s exactly scaled
+    value bit for bit when no square is subnormal (scaling by ``2**-e``
+    commutes with every rounding), and otherwise to within ``2**-25``; one
+    pass over the array instead of two dependent ones (``max|x|``, then the
+    scaled squares).
+    """
+    return jnp.isfinite(total) & (total >= d * UNFLUSHED)
+
+
 def safe_norm(x: jax.Array, axis=None) -> jax.Array:
     """Euclidean norm computed as ``2**e ||x 2**-e||`` with ``2**e <= max|x| < 2**(e+1)``
     (:func:`compjax.numerics.unit_scale`).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import jax
@@ -121,3 +122,18 @@ def run_vmap(tx, grads, n, params):
         outs.append(upd)
         states.append(state)
     return outs, states, step
+
+
+def input_readers(fn, key, x) -> list[str]:
+    """The operations of ``fn(key, x)``'s compiled program that read ``x`` (float32,
+    1-D), but for a conditional's branches (which run only on overflow)."""
+    entry = fn.lower(key, x).compile().as_text()
+    entry = entry[entry.index("ENTRY") :].splitlines()
+    shape = rf"f32\[{x.shape[0]}\]"
+    param = re.search(rf"(%\S+) = {shape}\S* parameter\(\d+\)", "\n".join(entry)).group(1)
+    return [
+        line
+        for line in entry[1:]
+        if re.search(re.escape(param) + r"\b", line)
+        and not re.search(r"parameter\(|\) tuple\(|conditional\(", line)
+    ]

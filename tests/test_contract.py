@@ -258,6 +258,9 @@ def test_gathered_payload_decodes_with_vmap():
         (compjax.terngrad(), (256, 128, 3, 3), 0),
         (compjax.scaled_sign(), (256, 128, 3, 3), 0),
         (compjax.natural_dithering(), (256, 128, 3, 3), 0),
+        # One norm in one pass, the two-pass fallback under lax.cond: no copy of the leaf.
+        (compjax.qsgd(levels=4), (2048, 1024, 1, 1), 0),
+        (compjax.natural_dithering(), (2048, 1024, 1, 1), 0),
         # Its scale in one pass, the two-pass fallback under lax.cond: no copy of the leaf.
         (compjax.l2_scaled_sign(), (256, 128, 3, 3), 0),
         (compjax.l2_scaled_sign(), (2048, 1024, 1, 1), 0),

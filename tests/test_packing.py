@@ -1,11 +1,10 @@
 """Bit packing: exact round trips and the byte counts of the wire format."""
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import input_readers
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -109,21 +108,6 @@ def test_scaled_signs_read_their_input_once(name):
     assert len(readers) == 1, readers
     scale = compress(jax.random.key(1), x).wire["scale"]
     np.testing.assert_allclose(float(scale), float(plain(x)), rtol=1e-6)
-
-
-def input_readers(fn, key, x) -> list[str]:
-    """The operations of ``fn(key, x)``'s compiled program that read ``x`` (float32,
-    1-D), but for a conditional's branches (which run only on overflow)."""
-    entry = fn.lower(key, x).compile().as_text()
-    entry = entry[entry.index("ENTRY") :].splitlines()
-    shape = rf"f32\[{x.shape[0]}\]"
-    param = re.search(rf"(%\S+) = {shape}\S* parameter\(\d+\)", "\n".join(entry)).group(1)
-    return [
-        line
-        for line in entry[1:]
-        if re.search(re.escape(param) + r"\b", line)
-        and not re.search(r"parameter\(|\) tuple\(|conditional\(", line)
-    ]
 
 
 @pytest.mark.parametrize("widths", [(8, 1), (4, 2), (2, 2), (16, 1), (4, 4)])

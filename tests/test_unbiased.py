@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_mean_error, assert_unbiased, draw
+from helpers import assert_mean_error, assert_unbiased, draw, input_readers
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -268,3 +268,54 @@ def test_qsgd_decodes_its_wire_as_transcribed(levels, bucket, d):
     frac = np.where(level >= levels, 1.0, level.astype(np.float32) * np.float32(1 / levels))
     want = np.where(sign == 1, -1, 1) * (norms * frac.astype(np.float32))
     np.testing.assert_array_equal(np.asarray(jax.jit(comp.decompress)(payload)), want)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+NORM_CASES = {
+    "normal": np.random.default_rng(3).standard_normal(1000),
+    # Every square flushes to zero in float32: the exactly scaled fallback.
+    "tiny": np.random.default_rng(4).standard_normal(1000) * 1e-30,
+    # A few normal entries among flushed ones: the one pass, within 2**-24 of the norm.
+    "tiny and normal": np.concatenate([np.full(997, 1e-30), [3.0, -4.0, 1e-3]]),
+    # The squares overflow: the fallback's norm saturates at float32's largest value.
+    "huge": np.linspace(-3e38, 3e38, 13),
+    "1e19": np.full(10, 1e19),
+    "zeros": np.zeros(7),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORM_CASES))
+def test_one_norm_is_the_exactly_scaled_norm(name):
+    """QSGD's and natural dithering's one norm (``qsgd.l2_norm``, and reduced over pieces) is
+    the float64 norm to float32 rounding: one pass where the plain sum of squares is finite
+    and not flushed, the exactly scaled two passes otherwise, float32's largest value where
+    the norm of finite entries overflows; NaN and Inf entries keep it non-finite."""
+    from compjax.compressors.qsgd import l2_norm, norm_of_pieces
+    from compjax.pieces import Pieces
+
+    x = jnp.asarray(NORM_CASES[name], jnp.float32)
+    want = min(np.linalg.norm(np.asarray(x, np.float64)), F32_MAX)
+    cut = x.shape[0] // 3
+    pieces = Pieces.of([x[:cut], x[cut:]])
+    for got in (jax.jit(l2_norm)(x), jax.jit(norm_of_pieces)(pieces)):
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    for got in (
+        compjax.qsgd(4).compress(jax.random.key(0), x).wire["norms"][0],
+        compjax.natural_dithering().compress(jax.random.key(0), x).wire["norm"][0],
+    ):
+        np.testing.assert_allclose(float(got), want, rtol=1e-6)
+    for bad in (np.nan, np.inf):
+        y = x.at[0].set(bad)
+        assert not np.isfinite(float(jax.jit(l2_norm)(y)))
+
+
+@pytest.mark.parametrize("spec", ["qsgd(levels=4)", "natural_dithering()"])
+def test_one_norm_compressors_read_their_input_twice(spec):
+    """The norm's one sum of squares, then the codes: two operations of the compiled
+    compress read the input (the exactly scaled fallback runs under a conditional, only
+    where that sum overflows or flushes); it was three (``max|x|``, the scaled squares,
+    the codes)."""
+    comp = {"qsgd(levels=4)": compjax.qsgd(4), "natural_dithering()": compjax.natural_dithering()}
+    x = jax.random.normal(jax.random.key(0), (1 << 16,))
+    readers = input_readers(jax.jit(comp[spec].compress), jax.random.key(1), x)
+    assert len(readers) == 2, readers

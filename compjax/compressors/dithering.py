@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, dtype_max, safe_divide, safe_norm
+from compjax.compressor import Compressor, dtype_max, safe_divide
 from compjax.compressors.elementwise import Elementwise
-from compjax.compressors.qsgd import norm_of_pieces, saturated_norm
+from compjax.compressors.qsgd import l2_norm, norm_of_pieces, saturated_norm
 from compjax.draws import bernoulli
 from compjax.numerics import divide, exponent, magnitude, pow2, round_to
 from compjax.pieces import Pieces
@@ -87,16 +87,18 @@ def natural_dithering_omega(d: int, levels: int) -> float:
 
 
 def p_norm(flat: jax.Array, p: float) -> jax.Array:
-    """``||x||_p`` as ``m ||x / m||_p`` with ``m = max|x|`` (no overflow; 0 for zeros)."""
+    """``||x||_p`` as ``m ||x / m||_p`` with ``m = max|x|`` (no overflow; 0 for zeros),
+    saturated where it overflows (:func:`compjax.compressors.qsgd.saturated_norm`); for
+    ``p = 2`` :func:`compjax.compressors.qsgd.l2_norm` (one pass where that is exact)."""
     if p == 2.0:
-        return safe_norm(flat)
+        return l2_norm(flat)
     m = jnp.max(jnp.abs(flat), initial=0.0)
     if math.isinf(p):
         return m
     safe_m = jnp.where(m > 0, m, 1.0)
     scaled = jnp.abs(flat / safe_m)
     total = jnp.sum(scaled) if p == 1.0 else jnp.sum(scaled**p) ** (1.0 / p)
-    return m * total
+    return saturated_norm(m * total, m)
 
 
 def p_norm_of_pieces(pieces: Pieces, p: float) -> jax.Array:
@@ -136,9 +138,7 @@ class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
         # A norm of finite entries beyond the float32 range saturates at its largest value
         # (finite; still unbiased: it brackets every entry); an Inf/NaN entry keeps it
         # non-finite, so the decode is too.
-        norm = p_norm(flat, self.p)
-        overflow = jnp.isinf(norm) & jnp.isfinite(jnp.max(jnp.abs(flat), initial=0.0))
-        stats = {"norm": jnp.where(overflow, jnp.finfo(jnp.float32).max, norm).reshape(1)}
+        stats = {"norm": p_norm(flat, self.p).reshape(1)}
         return {**stats, **self.encode_span(key, flat, 0, flat.shape[0], stats, dtype)}, {}
 
     def units(self, d, dtype):

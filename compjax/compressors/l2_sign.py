@@ -16,22 +16,17 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor
+from compjax.compressor import Compressor, squares_safe
 from compjax.compressors.sign import SignCodes
 from compjax.numerics import ldexp, unit_scale
 from compjax.pieces import Pieces
-
-#: A float32 sum of squares at least ``d`` times this is exact to its rounding:
-#: the squares a CPU flushes to zero (entries below ``2**-63``) add less than
-#: ``d * 2**-126``, below ``2**-24`` of it.
-_UNFLUSHED = 2.0**-102
 
 
 def rms(flat: jax.Array, total: jax.Array | None = None) -> jax.Array:
     """``||x||_2 / sqrt(d)`` of a non-empty 1-D array, finite for every finite ``x``.
 
     One pass, ``sqrt(sum x^2 / d)``, where that sum is finite and at least
-    ``d * 2**-102`` (:data:`_UNFLUSHED`).  Otherwise (its squares overflowed,
+    ``d * 2**-102`` (:func:`compjax.compressor.squares_safe`).  Otherwise (its squares overflowed,
     or are so small that flushed subnormals would matter) :func:`scaled_rms`:
     ``||x||_2`` itself overflows for 13 entries of ``1e38`` although their
     root mean square is ``1e38``.  Where no square or sum is subnormal or
@@ -86,8 +81,7 @@ def scaled_rms(top: jax.Array, scaled_squares, d: int) -> jax.Array:
 
 def _one_pass_or(total: jax.Array, d: int, exact) -> jax.Array:
     """``sqrt(total / d)`` where ``total`` (the plain sum of squares) is safe, else ``exact()``."""
-    safe = jnp.isfinite(total) & (total >= d * _UNFLUSHED)
-    return jax.lax.cond(safe, lambda: jnp.sqrt(total) / math.sqrt(d), exact)
+    return jax.lax.cond(squares_safe(total, d), lambda: jnp.sqrt(total) / math.sqrt(d), exact)
 
 
 @dataclasses.dataclass(frozen=True)

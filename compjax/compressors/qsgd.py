@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import packing
-from compjax.compressor import Compressor, dtype_max, safe_norm
+from compjax.compressor import Compressor, dtype_max, safe_norm, squares_safe
 from compjax.compressors.elementwise import Elementwise
 from compjax.draws import bernoulli
 from compjax.numerics import ldexp, magnitude, round_to, unit_scale
@@ -55,13 +55,35 @@ def saturated_norm(norm: jax.Array, top: jax.Array) -> jax.Array:
     return jnp.where(overflow, np.finfo(np.float32).max, norm)
 
 
+def l2_norm(flat: jax.Array) -> jax.Array:
+    """:func:`compjax.compressor.safe_norm` of a 1-D array, saturated as :func:`saturated_norm`.
+
+    One pass, ``sqrt(sum x^2)``, where that sum is safe
+    (:func:`compjax.compressor.squares_safe`: finite and not so small that
+    flushed squares matter); otherwise, under a ``lax.cond``, the exactly
+    scaled two passes (``max|x|``, then the scaled squares).  The one pass
+    is the same value bit for bit where no square is subnormal.
+    """
+    total = jnp.sum(jnp.square(flat))
+
+    def exact():
+        return saturated_norm(safe_norm(flat), jnp.max(jnp.abs(flat), initial=0.0))
+
+    return jax.lax.cond(squares_safe(total, flat.shape[0]), lambda: jnp.sqrt(total), exact)
+
+
 def norm_of_pieces(pieces: Pieces) -> jax.Array:
-    """:func:`compjax.compressor.safe_norm` of the flat array in ``pieces``, saturated as
-    :func:`saturated_norm`, reduced piece by piece."""
-    top = pieces.reduce(jnp.abs, "max")
-    e, _ = unit_scale(top)
-    norm = ldexp(jnp.sqrt(pieces.reduce(lambda a: jnp.square(ldexp(a, -e)), "sum")), e)
-    return saturated_norm(norm, top)
+    """:func:`l2_norm` of the flat array in ``pieces``, reduced piece by piece (the one pass
+    where its sum of squares is safe, else the exactly scaled two passes)."""
+    total = pieces.reduce(jnp.square, "sum")
+
+    def exact():
+        top = pieces.reduce(jnp.abs, "max")
+        e, _ = unit_scale(top)
+        norm = ldexp(jnp.sqrt(pieces.reduce(lambda a: jnp.square(ldexp(a, -e)), "sum")), e)
+        return saturated_norm(norm, top)
+
+    return jax.lax.cond(squares_safe(total, pieces.size), lambda: jnp.sqrt(total), exact)
 
 
 def _with_sign(value: jax.Array, sign: jax.Array) -> jax.Array:
@@ -146,7 +168,11 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
 
     def encode(self, key, flat, dtype):
         d = flat.shape[0]
-        xb = self._rows(flat, self._buckets(d)[0])
+        size, count = self._buckets(d)
+        if count == 1 and d:  # one norm, in one pass where that is exact
+            norms = l2_norm(flat).reshape(1)
+            return {"norms": norms, **self._codes(key, flat[None], norms, 0, d, dtype)}, {}
+        xb = self._rows(flat, size)
         # A norm of finite entries beyond the float32 range saturates at its largest value.
         # (max|x|: the reduction safe_norm already makes, shared by XLA, no second pass.)
         norms = saturated_norm(safe_norm(xb, axis=1), jnp.max(jnp.abs(xb), axis=1, initial=0.0))
