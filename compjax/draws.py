@@ -150,8 +150,8 @@ def random_bits(key, shape, offset: int | jax.Array = 0) -> jax.Array:
     return jax.random.bits(key, shape, jnp.uint32)
 
 
-def bernoulli(key, p: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
-    """Independent draws, true with probability ``p`` (float32 in ``[0, 1]``).
+def bernoulli(key, p: jax.Array, offset: int | jax.Array = 0, unit: bool = False) -> jax.Array:
+    """Independent draws, true with probability ``p`` (float32, clipped to ``[0, 1]``).
 
     Compares 32 random bits (:func:`random_bits`) with ``p * 2**32``: the
     probability is exact for ``p >= 2**-8`` (where ``p * 2**32`` is an
@@ -159,10 +159,20 @@ def bernoulli(key, p: jax.Array, offset: int | jax.Array = 0) -> jax.Array:
     ``jax.random.uniform`` would carry only 23 random bits and round every
     probability up to a multiple of ``2**-23``.  ``p = 1`` is always true and
     ``p = 0`` always false.  ``offset`` as in :func:`random_bits`.
+
+    ``unit``: the caller guarantees ``0 <= p <= 1`` (a stochastic rounding's
+    fraction; NaN, from a non-finite input, draws arbitrarily), so the clip
+    is left out: below 1, ``p * 2**32`` is below ``2**32`` and converts
+    exactly, and ``p = 1`` is true by the last comparison.  Five fewer vector
+    instructions per 8 entries in the rounding's loop on a CPU.
     """
     bits = random_bits(key, p.shape, offset)
-    scaled = jnp.clip(p.astype(jnp.float32), 0.0, 1.0) * 2.0**32
-    threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # largest float32 < 2^32
+    p = p.astype(jnp.float32)
+    if unit:
+        threshold = (p * 2.0**32).astype(jnp.uint32)  # out of range only at p = 1
+    else:
+        scaled = jnp.clip(p, 0.0, 1.0) * 2.0**32
+        threshold = jnp.minimum(scaled, 2.0**32 - 256).astype(jnp.uint32)  # float32 < 2^32
     return (bits < threshold) | (p >= 1.0)
 
 
@@ -181,4 +191,4 @@ def stochastic_round(key, y: jax.Array, dtype, offset: int = 0) -> jax.Array:
     toward = jnp.nextafter(near.astype(dtype), jnp.where(y > near, limit, -limit))
     other = toward.astype(jnp.float32)
     p = divide(jnp.abs(y - near), jnp.abs(other - near))
-    return jnp.where(bernoulli(key, p, offset), other, near)
+    return jnp.where(bernoulli(key, p, offset, unit=True), other, near)  # |y - near| <= gap

@@ -100,8 +100,26 @@ def test_bernoulli_threshold_is_exact(p):
 
     t = int(p * 2**32) >> 9  # the threshold in units of the scripted draws
     key = scripted_key(jnp.asarray([t - 1, t, 0, t + 1], jnp.uint32), 4)
-    draws = bernoulli(key, jnp.full((4,), p, jnp.float32))
-    np.testing.assert_array_equal(draws, [True, False, True, False])
+    for unit in (False, True):
+        draws = bernoulli(key, jnp.full((4,), p, jnp.float32), unit=unit)
+        np.testing.assert_array_equal(draws, [True, False, True, False])
+
+
+def test_bernoulli_in_the_unit_interval_draws_the_same():
+    """``unit=True`` (no clip, for a probability known to be in [0, 1]) gives the clipped
+    draws bit for bit over [0, 1]: 0, tiny, 2**-8, around 1/2, the largest float32 below 1
+    and 1 (true, though ``2**32`` does not convert to uint32), each at 2**13 hashed draws;
+    and at p = 1 the largest scripted draw is below it."""
+    from proofs_checks._common import LAST, scripted_key
+
+    below_one = float(np.nextafter(np.float32(1), np.float32(0)))
+    probs = jnp.asarray([0.0, 1e-30, 2.0**-8, 0.5 - 2.0**-25, 0.5, below_one, 1.0], jnp.float32)
+    p = jnp.tile(probs, 1 << 13)
+    run = jax.jit(bernoulli, static_argnums=(2, 3))
+    key = jax.random.key(9)
+    np.testing.assert_array_equal(run(key, p, 0, True), run(key, p, 0, False))
+    top = scripted_key(jnp.asarray([LAST], jnp.uint32), 1)
+    assert bool(bernoulli(top, jnp.ones(1), unit=True)[0])
 
 
 def test_dispatch():

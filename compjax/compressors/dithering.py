@@ -164,7 +164,7 @@ class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
         low = jnp.clip(low, 0, s)
         high = jnp.minimum(low + 1, s)
         v_low, v_high = self.grid(norm, low, dtype), self.grid(norm, high, dtype)
-        up = bernoulli(key, divide(mag - v_low, v_high - v_low), offset)
+        up = bernoulli(key, divide(mag - v_low, v_high - v_low), offset, unit=True)
         level = jnp.where(up, high, low).astype(jnp.uint32)
         sign = (flat < 0).astype(jnp.uint32) << (self.width - 1)
         return {"codes": packing.pack(level | sign, self.width)}

@@ -187,7 +187,7 @@ class IntQuant(Compressor):
         s = self.levels
         y = divide(flat.astype(jnp.float32), scale) * s  # exact power-of-two scaling first
         low = jnp.floor(y)
-        up = bernoulli(key, y - low, offset)
+        up = bernoulli(key, y - low, offset, unit=True)  # in [0, 1)
         q = jnp.clip(low + up.astype(jnp.float32), -s, s)
         return jnp.where(jnp.isfinite(q), q, 0.0).astype(jnp.int32)
 

@@ -151,7 +151,7 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
         """Levels (int32) for magnitudes ``mag <= norm``, unbiased on the decoded grid
         (:meth:`bracket`); ``offset`` as in :func:`compjax.draws.random_bits`."""
         lo, hi, p = self.bracket(mag, norm, dtype)
-        return jnp.where(bernoulli(key, p, offset), hi, lo)
+        return jnp.where(bernoulli(key, p, offset, unit=True), hi, lo)
 
     @staticmethod
     def _rows(x: jax.Array, size: int) -> jax.Array:

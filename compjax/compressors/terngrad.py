@@ -65,7 +65,7 @@ def ternarize(key, x: jax.Array, scale: jax.Array, offset: int = 0) -> jax.Array
     a larger array, whose random draws it takes (:func:`compjax.draws.random_bits`).
     """
     mag = magnitude(x)
-    keep = bernoulli(key, divide(mag, scale), offset) | ((mag >= scale) & (scale > 0))
+    keep = bernoulli(key, divide(mag, scale), offset, unit=True) | ((mag >= scale) & (scale > 0))
     return jnp.where(keep, jnp.where(x < 0, MINUS, PLUS), ZERO).astype(jnp.uint32)
 
 
