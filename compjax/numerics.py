@@ -134,6 +134,23 @@ def to_dtype(y: jax.Array, dtype) -> jax.Array:
     return y.astype(dtype)
 
 
+def widen(a: jax.Array) -> jax.Array:
+    """``a`` as float32, exactly: bfloat16 by moving its 16 bits to the top of a word.
+
+    A bfloat16 value is the top half of the float32 with the same value, so
+    the bits moved left by 16 are that float32 for every one of the 65,536
+    codes (NaNs and subnormals included; ``tests/test_numerics.py`` checks
+    all of them against ``astype``).  XLA's CPU backend converts
+    ``astype(float32)`` from bfloat16 in a slower loop: decoding the ResNet-50
+    tree's bfloat16 leaves took 13 ms against 10 ms this way.  Other dtypes
+    are ``astype(float32)``.
+    """
+    if a.dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(a, jnp.uint16).astype(jnp.uint32) << 16
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return a.astype(jnp.float32)
+
+
 def round_to(y: jax.Array, dtype) -> jax.Array:
     """Float32 ``y`` rounded onto ``dtype``'s grid as decoding will (:func:`to_dtype`), as float32.
 

@@ -36,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Largest row length :meth:`Pieces.reduce` folds a partly covered source into.
+#: Largest row length :meth:`Pieces.reduce` folds a partly covered source into (and
+#: :func:`encode_spans` joins the spans' payloads in).
 _MAX_ROW = 4096
-#: Smallest such row worth folding (below it the piece is reduced as a slice).
+#: Smallest such row worth folding (below it the piece is reduced as a slice, and the
+#: payloads are joined entry by entry).
 _MIN_ROW = 8
 
 
@@ -237,17 +239,34 @@ def encode_spans(
 
 
 def _concatenate_bits(arrays: list[jax.Array]) -> jax.Array:
-    """The concatenation of floating ``arrays`` done on their bits (unsigned integers).
+    """The concatenation of ``arrays``, floats done on their bits (unsigned integers), in rows.
 
     On floats, XLA moves a final conversion (a cast's float32 -> bfloat16)
     past the concatenation and concatenates float32 copies of the pieces.
+    Where every array's length is a multiple of a row of at least
+    ``_MIN_ROW`` entries (a power of two), the arrays are joined as
+    ``(length / row, row)`` matrices: XLA's CPU loop then chooses the array
+    once per row instead of once per entry.  The same entries in the same
+    order.  Compress of the ResNet-50 tree in buckets of ``2^22`` (rows of
+    64 entries), one process, interleaved: ``cast('float16')`` 14.5 to 19
+    against 12.4 to 16.4 ms, ``cast('bfloat16')`` 20 to 24 against 15 to 16.
     """
     dtype = arrays[0].dtype
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if jnp.issubdtype(dtype, jnp.floating):
+        bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
+        return jax.lax.bitcast_convert_type(
+            _concatenate_rows([jax.lax.bitcast_convert_type(a, bits) for a in arrays]), dtype
+        )
+    return _concatenate_rows(arrays)
+
+
+def _concatenate_rows(arrays: list[jax.Array]) -> jax.Array:
+    row = _MAX_ROW
+    while row >= _MIN_ROW and any(a.shape[0] % row for a in arrays):
+        row //= 2
+    if row < _MIN_ROW:
         return jnp.concatenate(arrays)
-    bits = jnp.dtype(f"uint{8 * dtype.itemsize}")
-    joined = jnp.concatenate([jax.lax.bitcast_convert_type(a, bits) for a in arrays])
-    return jax.lax.bitcast_convert_type(joined, dtype)
+    return jnp.concatenate([a.reshape(-1, row) for a in arrays]).reshape(-1)
 
 
 def decode_spans(

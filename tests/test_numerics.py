@@ -110,6 +110,19 @@ def test_scaling_helpers_are_exact_at_the_limits():
     np.testing.assert_allclose(np.asarray(q), [0.5, 1.0, 0.0, 0.0], rtol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_widen_is_astype_for_every_16_bit_code(dtype):
+    """``numerics.widen`` (bfloat16 by a shift) gives ``astype(float32)``'s bits for all
+    65,536 codes: zeros, subnormals, the largest values, Inf and NaN payloads."""
+    every = jnp.arange(2**16, dtype=jnp.uint32).astype(jnp.uint16)
+    codes = jax.lax.bitcast_convert_type(every, dtype)
+    wide = jax.jit(numerics.widen)(codes)
+    assert wide.dtype == jnp.float32
+    bits = partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint32)
+    expected = bits(codes.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(bits(wide)), np.asarray(expected))
+
+
 # -- inputs on the quantisation grid decode exactly -------------------------
 
 # fl(41 * fl(1/41)) != 1 in float32: a reciprocal of the bucket's max is off.

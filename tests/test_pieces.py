@@ -144,6 +144,31 @@ def test_other_compressors_agree(name):
     assert_same(comp, [tree_of(MIXED, seed=4, dyadic=False)], [37], rtol=rtol)
 
 
+#: Sizes 64, 64, 128, 128, 16 in buckets of 256: the payloads join as rows (of 64 and of 16).
+ALIGNED_SHAPES = [(8, 8), (64,), (4, 32), (128,), (2, 8)]
+
+
+@pytest.mark.parametrize(
+    "comp",
+    [compjax.cast("bfloat16"), compjax.cast("float16"), compjax.natural(), compjax.int_quant(4)],
+    ids=str,
+)
+def test_payloads_joined_in_rows_are_the_concatenated_bucket(comp):
+    """Spans whose lengths share a row of at least 8 elements join as ``(n / row, row)``
+    matrices (:func:`compjax.pieces.encode_spans`): the same message, in float32 and bfloat16."""
+    keys = jax.random.split(jax.random.key(7), len(ALIGNED_SHAPES))
+    trees = [
+        [(3 * jax.random.normal(k, s)).astype(d) for k, s in zip(keys, ALIGNED_SHAPES, strict=True)]
+        for d in (jnp.float32, jnp.bfloat16)
+    ]
+    layout = Buckets(trees[0], 256)
+    assert [layout.sizes(b) for b in range(len(layout.bounds))] == [(64, 64, 128), (128, 16)]
+    pieces = layout.pieces(trees[0])[0]
+    jaxpr = str(jax.make_jaxpr(lambda p: comp.compress_pieces(jax.random.key(0), p))(pieces))
+    assert re.search(r"\[\d+,\d+\] = concatenate\[dimension=0\]", jaxpr)
+    assert_same(comp, trees, [256, 256])
+
+
 def largest_float32_buffer(fn, *args) -> int:
     """Entries of the largest float32 array the compiled ``fn`` writes at its top level."""
     text = jax.jit(fn).lower(*args).compile().as_text()

@@ -21,6 +21,7 @@ import numpy as np
 
 from compjax.compressor import Compressor, dtype_max, to_dtype
 from compjax.compressors.elementwise import Elementwise
+from compjax.numerics import widen
 from compjax.packing import codes_per_element, pack, packed_bits, unpack
 
 _CAST_DTYPES = {
@@ -146,7 +147,7 @@ class Cast(Elementwise, Compressor):
     def decode_span(self, wire, side, offset, n, d, dtype):
         if self.packed:
             return _e2m1_values(unpack(wire["codes"], 4, n))
-        return wire["values"].astype(jnp.float32)
+        return widen(wire["values"])
 
     def unit_roundoff(self) -> float:
         return 2.0 ** -(jnp.finfo(self.dtype).nmant + 1)
