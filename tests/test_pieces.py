@@ -144,17 +144,24 @@ def test_other_compressors_agree(name):
     assert_same(comp, [tree_of(MIXED, seed=4, dyadic=False)], [37], rtol=rtol)
 
 
-#: Sizes 64, 64, 128, 128, 16 in buckets of 256: the payloads join as rows (of 64 and of 16).
+#: Sizes 64, 64, 128, 128, 16 in buckets of 256: the payloads join as rows (a cast's of 64
+#: entries and of 16, sign's of 2 words).
 ALIGNED_SHAPES = [(8, 8), (64,), (4, 32), (128,), (2, 8)]
 
 
 @pytest.mark.parametrize(
     "comp",
-    [compjax.cast("bfloat16"), compjax.cast("float16"), compjax.natural(), compjax.int_quant(4)],
+    [
+        compjax.cast("bfloat16"),
+        compjax.cast("float16"),
+        compjax.natural(),
+        compjax.int_quant(4),
+        compjax.sign(),
+    ],
     ids=str,
 )
 def test_payloads_joined_in_rows_are_the_concatenated_bucket(comp):
-    """Spans whose lengths share a row of at least 8 elements join as ``(n / row, row)``
+    """Spans whose lengths share a row of at least 2 elements join as ``(n / row, row)``
     matrices (:func:`compjax.pieces.encode_spans`): the same message, in float32 and bfloat16."""
     keys = jax.random.split(jax.random.key(7), len(ALIGNED_SHAPES))
     trees = [
