@@ -137,3 +137,22 @@ def test_natural_compression_reads_its_input_once():
     x = jax.random.normal(jax.random.key(0), (1 << 16,))
     readers = input_readers(jax.jit(compjax.natural().compress), jax.random.key(1), x)
     assert len(readers) == 1, readers
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="an option of XLA's CPU backend")
+@pytest.mark.parametrize("comp", [compjax.terngrad(), compjax.int_quant(4)], ids=str)
+def test_payloads_do_not_depend_on_the_cpu_vector_width(comp):
+    """XLA's CPU option ``xla_cpu_prefer_vector_width=512`` (documented as a speed-up of
+    TernGrad's compress on AVX-512) sends and decodes the same bits as the default."""
+    key = jax.random.key(3)
+    wide = {"xla_cpu_prefer_vector_width": 512}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = (3 * jax.random.normal(jax.random.key(4), (4099,))).astype(dtype)
+        runs = []
+        for options in (None, wide):
+            payload = jax.jit(comp.compress, compiler_options=options)(key, x)
+            runs.append((payload, jax.jit(comp.decompress, compiler_options=options)(payload)))
+        (p, out), (p_wide, out_wide) = runs
+        for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p_wide), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_wide, np.float32))
