@@ -176,6 +176,63 @@ def test_payloads_joined_in_rows_are_the_concatenated_bucket(comp):
     assert_same(comp, trees, [256, 256])
 
 
+#: One bucket of 20 spans (grouped: 3 joins of at most 8, then one of the 3) and one of 70
+#: (more than 64: one plain join); their lengths share a row of 16.
+GROUPED_SHAPES = [(16,), (4, 8), (64,), (2, 16)] * 5
+PLAIN_SHAPES = [(16,)] * 70
+
+
+def grouped_joins(comp, trees, sizes) -> list[bool]:
+    """Per tree (one bucket each): whether ``compress_pieces`` joins a field in groups (a 3-D
+    concatenation in its jaxpr, :func:`compjax.pieces._grouped_join`)."""
+    out = []
+    for tree, size in zip(trees, sizes, strict=True):
+        (pieces,) = Buckets(tree, size).pieces(tree)
+        jaxpr = str(jax.make_jaxpr(lambda p: comp.compress_pieces(jax.random.key(0), p))(pieces))
+        out.append(bool(re.search(r"\[\d+,2,\d+\] = concatenate\[dimension=0\]", jaxpr)))
+    return out
+
+
+def many_span_trees():
+    """:data:`GROUPED_SHAPES` and :data:`PLAIN_SHAPES` in float32 and bfloat16, each with the
+    bucket size that makes it one bucket."""
+    trees, sizes = [], []
+    for shapes in (GROUPED_SHAPES, PLAIN_SHAPES):
+        keys = jax.random.split(jax.random.key(8), len(shapes))
+        for d in (jnp.float32, jnp.bfloat16):
+            xs = [3 * jax.random.normal(k, s) for k, s in zip(keys, shapes, strict=True)]
+            trees.append([x.astype(d) for x in xs])
+            sizes.append(sum(math.prod(s) for s in shapes))
+    return trees, sizes
+
+
+@pytest.mark.parametrize(
+    ("comp", "groups"),
+    [
+        (compjax.cast("bfloat16"), True),
+        (compjax.cast("float16"), True),
+        (compjax.cast("float8_e4m3fn"), False),
+    ],
+    ids=str,
+)
+def test_payloads_of_many_spans_joined_in_groups_are_the_concatenated_bucket(comp, groups):
+    """A field of one 16- or 32-bit float per entry, of 9 to 64 spans, joins in groups of
+    at most 8 (:func:`compjax.pieces._grouped_join`, a 3-D outer join); an 8-bit one, or
+    one of more spans, in one join: the same message, in float32 and bfloat16."""
+    trees, sizes = many_span_trees()
+    assert grouped_joins(comp, trees[::2], sizes[::2]) == [groups, False]
+    assert_same(comp, trees, sizes)
+
+
+def test_per_row_norms_join_in_one_concatenation():
+    """QSGD's float32 norms (one per row of 8 entries, 20 spans) are not joined in groups."""
+    trees, sizes = many_span_trees()
+    assert grouped_joins(compjax.qsgd(levels=4, bucket_size=8), trees[::2], sizes[::2]) == [
+        False,
+        False,
+    ]
+
+
 def largest_float32_buffer(fn, *args) -> int:
     """Entries of the largest float32 array the compiled ``fn`` writes at its top level."""
     text = jax.jit(fn).lower(*args).compile().as_text()
