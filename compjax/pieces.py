@@ -289,9 +289,7 @@ def _concatenate_rows(arrays: list[jax.Array], grouped: bool = False) -> jax.Arr
         row //= 2
     if row < _MIN_JOIN_ROW:
         return jnp.concatenate(arrays)
-    if grouped:
-        return _grouped_join(arrays, row)
-    return jnp.concatenate([a.reshape(-1, row) for a in arrays]).reshape(-1)
+    return _grouped_join(arrays, row) if grouped else _join_view(arrays, (-1, row))
 
 
 def _grouped_join(arrays: list[jax.Array], row: int) -> jax.Array:
@@ -309,7 +307,7 @@ def _grouped_join(arrays: list[jax.Array], row: int) -> jax.Array:
     there is none.
     """
     if not _MAX_FUSED_JOIN < len(arrays) <= _MAX_FUSED_JOIN**2:
-        return jnp.concatenate([a.reshape(-1, row) for a in arrays]).reshape(-1)
+        return _join_view(arrays, (-1, row))
     groups = -(-len(arrays) // _MAX_FUSED_JOIN)
     size = -(-len(arrays) // groups)
     joined = [_join_view(arrays[i : i + size], (-1, row)) for i in range(0, len(arrays), size)]
