@@ -250,3 +250,22 @@ def test_quick_run_writes_every_section(tmp_path):
     assert table == bench_report.markdown(res, res["goals"])  # the table is the JSON's
     goals_table = table.split("| measurement", 1)[1].split("\n\n", 1)[0]
     assert goals_table.count("\n| ") == len(res["goals"])
+
+
+def test_powersgd_compresses_the_matrices_the_hook_does():
+    """Every kernel and the classifier (54 matrices) go as rank-4 factors, as in
+    ``powerSGD_hook``; only the 107 vectors are all-reduced dense."""
+    import jax
+    import jax.numpy as jnp
+
+    import compjax
+
+    shapes = bench_codecs.resnet50_shapes()
+    params = {f"p{i:03d}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+    report = compjax.communication(bench.powersgd_transform(), params, num_workers=2)
+    r = bench.POWERSGD_RANK
+    matrices = [s for s in shapes if len(s) > 1]
+    factors = sum(32 * r * (s[0] + math.prod(s[1:])) for s in matrices)
+    dense = 32 * sum(s[0] for s in shapes if len(s) == 1)
+    assert len(matrices) == 54
+    assert report.payload_bits == factors + dense + 8  # and the step's flag

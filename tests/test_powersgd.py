@@ -1,6 +1,9 @@
 """PowerSGD: a step-by-step numpy reference, error feedback, warm start, start_iter, bits."""
 
+import warnings
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +11,7 @@ from jax.sharding import NamedSharding
 from test_transforms import assert_trees_close
 
 import compjax
-from compjax.transforms.powersgd import orthogonalize
+from compjax.transforms.powersgd import LayoutWarning, orthogonalize
 
 P = jax.P
 PARAMS = {"w": jnp.zeros((16, 12)), "b": jnp.zeros(12), "k": jnp.zeros((3, 3, 2, 8))}
@@ -182,10 +185,30 @@ def test_kernel_layouts_put_output_channels_on_one_side():
     torch_bits = compjax.communication(torch_tx, torch_kernel, num_workers=2).payload_bits
     assert flax_bits == torch_bits == 32 * 4 * (144 + 32) + 8
     # read in the wrong layout the kernel is a 3 x 1536 matrix, not worth compressing at rank 4
-    wrong = compjax.communication(
-        compjax.powersgd(4, "data", channels_last=False), flax_kernel, num_workers=2
-    )
+    with pytest.warns(LayoutWarning, match=r"\(3, 3, 16, 32\).* 3 x 1536 .*compressible 144 x 32"):
+        wrong = compjax.communication(
+            compjax.powersgd(4, "data", channels_last=False), flax_kernel, num_workers=2
+        )
     assert wrong.bits_per_worker == 32 * flax_kernel["k"].size + 8
+
+
+def test_kernels_in_the_other_layout_warn_at_init():
+    """PyTorch's (cout, cin, kh, kw) read channels-last is a thin (cout cin kh) x kw matrix,
+    sent dense: init warns, naming the kernel; kernels in their own layout, thin kernels that
+    no layout compresses and matrices do not warn."""
+    torch_conv = jnp.zeros((64, 64, 1, 1))  # channels last: 4096 x 1, dense; else 64 x 64
+    with pytest.warns(LayoutWarning, match=r"\(64, 64, 1, 1\).*4096 x 1.*channels_last=False"):
+        compjax.powersgd(4, "data").init({"k": torch_conv})
+    fine = {
+        "flax": jnp.zeros((1, 1, 64, 64)),
+        "torch": torch_conv,
+        "thin": jnp.zeros((3, 3, 64, 3)),  # 576 x 3 or 3 x 576: dense either way
+        "matrix": jnp.zeros((3, 4096)),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compjax.powersgd(4, "data").init({k: v for k, v in fine.items() if k != "torch"})
+        compjax.powersgd(4, "data", channels_last=False).init({"k": torch_conv})
 
 
 @pytest.mark.parametrize(
@@ -200,3 +223,50 @@ def test_kernel_layouts_put_output_channels_on_one_side():
 def test_bad_parameters(kwargs, name):
     with pytest.raises(ValueError, match=name):
         compjax.powersgd(axis_name="data", **kwargs)
+
+
+def _eqns(jaxpr, skip=("cond",)):
+    """Every equation of ``jaxpr`` and of the jitted calls in it, not inside a ``cond``."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        if eqn.primitive.name in skip:
+            continue
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub, skip)
+
+
+def test_update_never_materialises_the_product_or_rereads_the_state():
+    """``P Q^T`` is an elementwise expression fused into the update and the new memory, not
+    a matrix product, and the guard reads each matrix once (the input's check): the memory
+    saturates, so its finiteness is known without a pass over it."""
+    tx = compjax.powersgd(2, "data")
+    g = jax.tree.map(lambda v: jnp.asarray(v[0]), grads_at(0, 1))
+    jaxpr = jax.make_jaxpr(tx.update, axis_env=[("data", 2)])(g, tx.init(PARAMS)).jaxpr
+    sizes = {PARAMS["w"].size, PARAMS["k"].size}  # the compressed leaves
+
+    def out_size(eqn):
+        return max(int(np.prod(v.aval.shape)) for v in eqn.outvars)
+
+    eqns = list(_eqns(jaxpr))
+    assert not [e for e in eqns if e.primitive.name == "dot_general" and out_size(e) in sizes]
+    full_reductions = [
+        e
+        for e in eqns
+        if e.primitive.name.startswith("reduce_") and int(np.prod(e.invars[0].aval.shape)) in sizes
+    ]
+    assert len(full_reductions) == len(sizes)  # one finiteness sum per matrix: its input's
+
+
+def test_memory_saturates_where_it_would_overflow():
+    """A float16 memory whose residual passes 65504 saturates there: the step is taken
+    (finite updates) and the memory stays finite.  Before, the overflow refused the step,
+    and every step after it."""
+    tx = compjax.powersgd(1, None, min_compression_rate=1.0, state_dtype="float16")
+    rng = np.random.default_rng(3)
+    g = {"w": jnp.asarray(rng.standard_normal((16, 12)) * 1e5, jnp.float32)}
+    state = tx.init(g)
+    for _ in range(2):
+        upd, state = jax.jit(tx.update)(g, state)
+        assert np.all(np.isfinite(upd["w"]))
+        err = np.asarray(state.error["w"], np.float32)
+        assert np.all(np.isfinite(err)) and np.max(np.abs(err)) == 65504.0

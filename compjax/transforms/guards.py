@@ -90,6 +90,7 @@ def guarded(
     new_state: Any,
     old_state: Any,
     finite: Sequence[jax.Array | None] | None = None,
+    state_finite: jax.Array | None = None,
 ):
     """NaN updates and the old state if the step is refused; else the new ones.
 
@@ -102,15 +103,20 @@ def guarded(
     ``finite``, one per ``out``: whether that update is finite where the
     exchange already knows it (:attr:`compjax.exchange.Exchanged.finite`), so
     it is not read again; ``None`` (or an entry ``None``): checked here.
+    ``state_finite``: whether ``new_state`` is finite, where the transformation
+    knows it without reading the whole state (a memory saturated by
+    construction, its small leaves checked by the caller); ``None``: every
+    floating leaf is checked here.  Nothing left to read, the flag depends on
+    the input and small arrays only, and XLA fuses the selects into the loops
+    that compute the update and the state.
     """
     known = [None] * len(out) if finite is None else list(finite)
     unknown = [o for o, f in zip(out, known, strict=True) if f is None]
-    floats = [
-        a
-        for a in jax.tree.leaves(unknown) + jax.tree.leaves(new_state)
-        if jnp.issubdtype(a.dtype, jnp.floating)
-    ]
+    state = [] if state_finite is not None else jax.tree.leaves(new_state)
+    floats = [a for a in jax.tree.leaves(unknown) + state if jnp.issubdtype(a.dtype, jnp.floating)]
     ok = all_finite(floats)
+    if state_finite is not None:
+        ok = ok & state_finite
     for f in known:
         ok = ok if f is None else ok & f
     with unrecorded():  # logged by any_non_finite
