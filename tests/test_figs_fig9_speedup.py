@@ -24,7 +24,13 @@ def test_resnet50_has_torchvisions_parameter_count():
 
 
 @pytest.mark.parametrize(
-    "spec", ["qsgd(levels=4, bucket_size=512)", "powersgd(rank=2)", "signsgd()", "dgc(ratio=0.01)"]
+    "spec",
+    [
+        "qsgd(levels=4, bucket_size=512)",
+        "powersgd(rank=2, channels_last=False)",  # the shapes are PyTorch's, as in figure 9
+        "signsgd()",
+        "dgc(ratio=0.01)",
+    ],
 )
 def test_bits_per_shape_equal_the_whole_tree(spec):
     s = jax.ShapeDtypeStruct
