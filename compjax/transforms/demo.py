@@ -50,6 +50,7 @@ from compjax.transforms.base import (
     check_state_dtype,
     counted,
     guarded,
+    saturated,
     state_zeros,
 )
 
@@ -95,12 +96,6 @@ def _plan(shape: tuple[int, ...], chunk: int, topk: int) -> _Plan:
     return _Plan(rows, cols, h, w, min(topk, h * w))
 
 
-def _clip(x: jax.Array, dtype) -> jax.Array:
-    """``x`` saturated to ``dtype``'s finite range (NaN stays NaN)."""
-    top = float(jnp.finfo(dtype).max)
-    return jnp.clip(x, -top, top)
-
-
 def _exponent(blocks: jax.Array, axes: tuple[int, ...]) -> jax.Array:
     """Per chunk, the least ``e >= 0`` with ``max |blocks| < 2**e``: a scale that only ever
     shrinks (chunks below 1 are left as they are, subnormals included)."""
@@ -115,7 +110,7 @@ def _scaled(transform, blocks: jax.Array) -> jax.Array:
     saturates there.
     """
     e = _exponent(blocks, (-2, -1))
-    return _clip(jnp.ldexp(transform(jnp.ldexp(blocks, -e)), e), blocks.dtype)
+    return saturated(jnp.ldexp(transform(jnp.ldexp(blocks, -e)), e), blocks.dtype)
 
 
 def _scatter(plan: _Plan, indices: jax.Array, values: jax.Array):
@@ -141,11 +136,11 @@ def _gather(payload: Payload, axis_name: AxisName) -> Payload:
 
 def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, n: int):
     """One leaf's step: ``(update, new delta)``."""
-    delta = _clip(decay * delta + g.astype(delta.dtype), delta.dtype)
+    delta = saturated(decay * delta + g.astype(delta.dtype), delta.dtype)
     blocks = dct.to_blocks(delta.reshape(plan.rows, plan.cols), plan.h, plan.w)
     coeffs = _scaled(dct.dct2, blocks).reshape(plan.chunks, plan.h * plan.w)
     _, idx = jax.lax.top_k(jnp.abs(coeffs), plan.k)
-    values = _clip(jnp.take_along_axis(coeffs, idx, axis=-1), g.dtype).astype(g.dtype)
+    values = saturated(jnp.take_along_axis(coeffs, idx, axis=-1), g.dtype).astype(g.dtype)
     payload = Payload(
         wire={"indices": idx.astype(plan.index_dtype), "values": values},
         side={},
@@ -155,7 +150,7 @@ def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, 
     # What was sent leaves the momentum (as sent: a rounding stays in delta).
     mine, _ = _scatter(plan, idx, values.astype(delta.dtype))
     sent = dct.from_blocks(_scaled(dct.idct2, mine)).reshape(g.shape)
-    delta = _clip(delta - sent, delta.dtype)
+    delta = saturated(delta - sent, delta.dtype)
 
     wire = _gather(payload, axis_name).wire
     vals = wire["values"].astype(jnp.float32)
@@ -168,7 +163,7 @@ def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, 
         mean = jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0)
         out = jnp.sign(dct.from_blocks(dct.idct2(mean)))
     else:
-        out = _clip(dct.from_blocks(jnp.ldexp(dct.idct2(sums / n), e)), g.dtype)
+        out = saturated(dct.from_blocks(jnp.ldexp(dct.idct2(sums / n), e)), g.dtype)
     return out.reshape(g.shape).astype(g.dtype), delta
 
 

@@ -30,13 +30,16 @@ from compjax.collectives import any_worker, check_worker_local, record, unrecord
 from compjax.compressor import check_float32_range
 
 
-def saturated(x: jax.Array) -> jax.Array:
-    """A non-negative accumulator (sums of squares) capped at its dtype's largest finite value.
+def saturated(x: jax.Array, dtype=None) -> jax.Array:
+    """``x`` clipped to ``[-top, top]``, ``top`` the largest finite value of ``dtype``
+    (``x``'s own by default); NaN stays NaN.
 
-    Squares of finite entries above the square root of that value overflow;
-    capping keeps such state finite (it only ever means "very large").
+    Accumulators of squares (squares of finite entries above the square root of
+    ``top`` overflow) and memories of sums stay finite this way: a saturated
+    value only ever means "very large".
     """
-    return jnp.minimum(x, jnp.finfo(x.dtype).max)
+    top = float(jnp.finfo(x.dtype if dtype is None else dtype).max)
+    return jnp.clip(x, -top, top)
 
 
 def all_finite(arrays: Sequence[Any]) -> jax.Array:

@@ -10,7 +10,9 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 import warnings
 from typing import Any, NamedTuple
 
@@ -36,6 +38,7 @@ from compjax.transforms.base import (
     counted,
     guarded,
     init_key,
+    saturated,
     state_zeros,
 )
 
@@ -121,12 +124,8 @@ def warn_if_layout_swapped(
         )
 
 
-#: float32's largest finite value: PowerSGD's memory and update saturate there.
+#: float32's largest finite value (PowerSGD's memory and update saturate there).
 _TOP = float(jnp.finfo(jnp.float32).max)
-
-
-def _saturate(x: jax.Array) -> jax.Array:
-    return jnp.clip(x, -_TOP, _TOP)
 
 
 def outer_sum(p: jax.Array, q: jax.Array, shape=None) -> jax.Array:
@@ -147,10 +146,7 @@ def outer_sum(p: jax.Array, q: jax.Array, shape=None) -> jax.Array:
     terms = [
         p[:, k].reshape(rows + (1,) * len(cols)) * q[:, k].reshape(cols) for k in range(p.shape[1])
     ]
-    out = terms[0]
-    for t in terms[1:]:
-        out = out + t
-    return out
+    return functools.reduce(operator.add, terms)
 
 
 def _unit(col: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -336,10 +332,10 @@ def powersgd(
             )
         # The update as delivered (in g's dtype, saturating at its largest value: the product
         # can round past it): what it rounds away stays in the memory, which saturates too.
-        approx = to_dtype(_saturate(ldexp(outer_sum(p, q_new, g.shape), a)), g.dtype)
+        approx = to_dtype(saturated(ldexp(outer_sum(p, q_new, g.shape), a)), g.dtype)
         if not error_feedback:
             return approx, jnp.zeros(g.shape, jnp.float32), q_new
-        return approx, _saturate(m.reshape(g.shape) - approx), q_new
+        return approx, saturated(m.reshape(g.shape) - approx), q_new
 
     def compressed_step(arrays, errors, qs, n):
         """Every leaf's update: the uncompressed leaves' means in one message, then every
@@ -353,7 +349,7 @@ def powersgd(
         for i in low:
             rows, cols = matrix_view(arrays[i].shape, channels_last)
             m = arrays[i].reshape(rows, cols).astype(jnp.float32)
-            ms.append(_saturate(m + errors[i].reshape(rows, cols)))
+            ms.append(saturated(m + errors[i].reshape(rows, cols)))
         ps, q_means, finite = factors_together(ms, [qs[i] for i in low], n)
         for j, i in enumerate(low):
             o, residual, q_new = low_rank(arrays[i], ms[j], qs[i], ps[j], q_means[j], finite[j], n)
