@@ -239,7 +239,7 @@ def _qsgd_bracket(comp, x, dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=str)
-@pytest.mark.parametrize("levels", [1, 3, 7, 41, 1000, 12345])
+@pytest.mark.parametrize("levels", [1, 3, 4, 7, 16, 41, 1000, 12345])
 def test_qsgd_brackets_each_entry_between_neighbouring_decoded_levels(levels, dtype):
     """``V(lo) <= |x| <= V(lo + 1)`` and ``V(lo) + p (V(hi) - V(lo)) = |x|``: the expected
     decode is exactly ``|x|``, on inputs with ties, near-grid values and wide ranges."""
@@ -255,6 +255,27 @@ def test_qsgd_brackets_each_entry_between_neighbouring_decoded_levels(levels, dt
         assert np.all((v_lo <= mag) & (mag <= v_hi) & (p >= 0) & (p <= 1))
         mean = v_lo.astype(np.float64) + p * (v_hi.astype(np.float64) - v_lo)
         np.testing.assert_allclose(mean, mag, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("levels", [4, 16, 4096])
+def test_qsgd_brackets_entries_of_a_tiny_norm(levels):
+    """A norm a few times float32's smallest normal (``2**-126``, about ``1.2e-38``):
+    neighbouring levels lie closer than it, and their gap, unscaled, flushed to 0
+    (``p = Inf``: the upper level always).  The bracket holds and its expected decode
+    is ``|x|``."""
+    comp = compjax.qsgd(levels)
+    rng = np.random.default_rng(levels)
+    for trial in range(4):
+        x = rng.standard_normal(4096) * 10.0 ** -rng.integers(37, 39)
+        if trial % 2:  # a few entries, all normal, for a norm below levels * 2**-126
+            x = np.zeros(4096)
+            x[rng.integers(0, 4096, 3)] = rng.uniform(1.2e-38, 1.5e-38 * levels, 3)
+        x = jnp.asarray(x, jnp.float32)
+        mag, _, _, p, v_lo, v_hi = map(np.asarray, _qsgd_bracket(comp, x, jnp.float32))
+        mag = np.where(mag < np.finfo(np.float32).tiny, 0.0, mag)  # a CPU flushes subnormals
+        assert np.all((v_lo <= mag) & (mag <= v_hi) & (p >= 0) & (p <= 1))
+        mean = v_lo.astype(np.float64) + p * (v_hi.astype(np.float64) - v_lo)
+        np.testing.assert_allclose(mean, mag, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)

@@ -20,7 +20,7 @@ from compjax.compressor import Compressor, dtype_max, safe_divide
 from compjax.compressors.elementwise import Elementwise
 from compjax.compressors.qsgd import l2_norm, norm_of_pieces, saturated_norm
 from compjax.draws import bernoulli
-from compjax.numerics import divide, exponent, magnitude, pow2, round_to
+from compjax.numerics import exponent, ldexp, magnitude, pow2, round_to, unit_scale
 from compjax.pieces import Pieces
 
 _MAX_LEVELS = 64
@@ -164,7 +164,13 @@ class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
         low = jnp.clip(low, 0, s)
         high = jnp.minimum(low + 1, s)
         v_low, v_high = self.grid(norm, low, dtype), self.grid(norm, high, dtype)
-        up = bernoulli(key, divide(mag - v_low, v_high - v_low), offset, unit=True)
+        # The chance of the upper level, in units of the norm's power of two (one scalar
+        # scale for every entry, where a division per entry would scale each by its own).
+        e, _ = unit_scale(norm)
+        gap = v_high > v_low
+        v_low = ldexp(v_low, -e)
+        p = (ldexp(mag, -e) - v_low) / jnp.where(gap, ldexp(v_high, -e) - v_low, 1.0)
+        up = bernoulli(key, jnp.where(gap, p, 0.0), offset, unit=True)
         level = jnp.where(up, high, low).astype(jnp.uint32)
         sign = (flat < 0).astype(jnp.uint32) << (self.width - 1)
         return {"codes": packing.pack(level | sign, self.width)}

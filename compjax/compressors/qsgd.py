@@ -22,6 +22,10 @@ from compjax.draws import bernoulli
 from compjax.numerics import ldexp, magnitude, round_to, unit_scale
 from compjax.pieces import Pieces
 
+#: Most levels held as float32 integers in :meth:`QSGD.bracket` (every integer up to
+#: ``2**24`` is exact in float32).
+_FLOAT_LEVELS = 2**24
+
 
 def qsgd_omega(d: int, levels: int) -> float:
     """A bound on ``E||Q(x) - x||^2 / ||x||^2`` for ``d`` entries (exact where attained).
@@ -108,9 +112,9 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
         """The magnitude that ``level`` decodes to: ``norm * level / s`` on ``dtype``'s grid.
 
         Computed as ``norm * (level * fl(1/s))`` (``norm`` itself at
-        ``level = s``), the same float32 operations in :meth:`encode` and
+        ``level >= s``), the same float32 operations in :meth:`encode` and
         :meth:`decode`, then rounded as :meth:`finish` rounds.  Non-decreasing
-        in ``level``.
+        in ``level`` (integer, or float32 holding an integer).
         """
         level = jnp.asarray(level)
         top = level >= self.levels
@@ -128,15 +132,24 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
         a hair high so that it is at most one level above the answer and
         corrected by one; should float32 not resolve the levels (``s`` above
         about ``2**19``) the bracket widens to level 0 or ``s``, still unbiased.
+
+        The levels are float32 (exact integers) for ``s <= 2**24`` and int32
+        beyond: a conversion between the two costs more per entry than the
+        rest of the arithmetic, and the float32 ones need none until the
+        codes are packed.  The same ``(lo, hi, p)`` either way.
         """
         s = self.levels
         e, unit = unit_scale(norm)  # scale by 2**-e: no flushed reciprocal of norm
         y = ldexp(mag, -e)
         inv = s * (1.0 + 2.0**-20) / jnp.where(norm > 0, unit, 1.0)
-        estimate = jnp.clip(jnp.floor(y * inv), 0, s).astype(jnp.int32)
+        # y >= 0 (or NaN), so the floor needs no clip from below; nor does lo, as V(0) = 0
+        # is never above a magnitude.
+        estimate = jnp.minimum(jnp.floor(y * inv), s)
+        if s > _FLOAT_LEVELS:
+            estimate = estimate.astype(jnp.int32)
         below, at, above = (self.grid(norm, estimate + i, dtype) for i in (-1, 0, 1))
         high = at > mag
-        lo = jnp.maximum(jnp.where(high, estimate - 1, estimate), 0)
+        lo = jnp.where(high, estimate - 1, estimate)
         hi = jnp.minimum(lo + 1, s)
         v_lo, v_hi = jnp.where(high, below, at), jnp.where(high, at, above)
         # Outside the float32 estimate's reach: bracket with level 0 or s.
@@ -144,7 +157,11 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
         top = self.grid(norm, s, dtype)
         hi, v_hi = jnp.where(v_hi < mag, s, hi), jnp.where(v_hi < mag, top, v_hi)
         gap = v_hi > v_lo
-        p = (y - ldexp(v_lo, -e)) / jnp.where(gap, ldexp(v_hi - v_lo, -e), 1.0)
+        # The levels scaled before they are subtracted: two neighbouring levels of a norm
+        # below s * 2**-126 are apart by less than float32's smallest normal, a gap
+        # that flushes to 0 unscaled (p = Inf, the upper level always).
+        v_lo = ldexp(v_lo, -e)
+        p = (y - v_lo) / jnp.where(gap, ldexp(v_hi, -e) - v_lo, 1.0)
         return lo, hi, jnp.where(gap, p, 0.0)
 
     def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype, offset: int = 0):
