@@ -165,7 +165,8 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
         return lo, hi, jnp.where(gap, p, 0.0)
 
     def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype, offset: int = 0):
-        """Levels (int32) for magnitudes ``mag <= norm``, unbiased on the decoded grid
+        """Levels for magnitudes ``mag <= norm`` (float32 integers; int32 beyond ``2**24``
+        levels), unbiased on the decoded grid
         (:meth:`bracket`); ``offset`` as in :func:`compjax.draws.random_bits`."""
         lo, hi, p = self.bracket(mag, norm, dtype)
         return jnp.where(bernoulli(key, p, offset, unit=True), hi, lo)
