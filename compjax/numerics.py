@@ -116,6 +116,19 @@ def divide(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.where(b > 0, ldexp(a, -e) / jnp.where(b > 0, unit, 1.0), 0.0)
 
 
+def fraction_between(m: jax.Array, lo: jax.Array, hi: jax.Array, e: jax.Array) -> jax.Array:
+    """``(m - lo) / (hi - lo)`` for ``lo <= m <= hi``, 0 where ``hi == lo``, all three scaled
+    by ``2**-e`` first (``e``: the exponent of the scale they lie below, :func:`unit_scale`).
+
+    The chance of the upper of two neighbouring levels in a stochastic rounding.  Levels
+    closer than float32's smallest normal have a gap that flushes to 0 unscaled.
+    """
+    gap = hi > lo
+    lo = ldexp(lo, -e)
+    p = (ldexp(m, -e) - lo) / jnp.where(gap, ldexp(hi, -e) - lo, 1.0)
+    return jnp.where(gap, p, 0.0)
+
+
 def to_dtype(y: jax.Array, dtype) -> jax.Array:
     """Cast ``y`` to ``dtype``, finite values saturating at the target's largest finite value.
 

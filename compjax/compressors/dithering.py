@@ -20,7 +20,7 @@ from compjax.compressor import Compressor, dtype_max, safe_divide
 from compjax.compressors.elementwise import Elementwise
 from compjax.compressors.qsgd import l2_norm, norm_of_pieces, saturated_norm
 from compjax.draws import bernoulli
-from compjax.numerics import exponent, ldexp, magnitude, pow2, round_to, unit_scale
+from compjax.numerics import exponent, fraction_between, magnitude, pow2, round_to, unit_scale
 from compjax.pieces import Pieces
 
 _MAX_LEVELS = 64
@@ -166,11 +166,8 @@ class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
         v_low, v_high = self.grid(norm, low, dtype), self.grid(norm, high, dtype)
         # The chance of the upper level, in units of the norm's power of two (one scalar
         # scale for every entry, where a division per entry would scale each by its own).
-        e, _ = unit_scale(norm)
-        gap = v_high > v_low
-        v_low = ldexp(v_low, -e)
-        p = (ldexp(mag, -e) - v_low) / jnp.where(gap, ldexp(v_high, -e) - v_low, 1.0)
-        up = bernoulli(key, jnp.where(gap, p, 0.0), offset, unit=True)
+        p = fraction_between(mag, v_low, v_high, unit_scale(norm)[0])
+        up = bernoulli(key, p, offset, unit=True)
         level = jnp.where(up, high, low).astype(jnp.uint32)
         sign = (flat < 0).astype(jnp.uint32) << (self.width - 1)
         return {"codes": packing.pack(level | sign, self.width)}

@@ -19,7 +19,7 @@ from compjax import packing
 from compjax.compressor import Compressor, dtype_max, safe_norm, squares_safe
 from compjax.compressors.elementwise import Elementwise
 from compjax.draws import bernoulli
-from compjax.numerics import ldexp, magnitude, round_to, unit_scale
+from compjax.numerics import fraction_between, ldexp, magnitude, round_to, unit_scale
 from compjax.pieces import Pieces
 
 #: Most levels held as float32 integers in :meth:`QSGD.bracket` (every integer up to
@@ -156,13 +156,9 @@ class QSGD(packing.SignMagnitude, Elementwise, Compressor):
         lo, v_lo = jnp.where(v_lo > mag, 0, lo), jnp.where(v_lo > mag, 0.0, v_lo)
         top = self.grid(norm, s, dtype)
         hi, v_hi = jnp.where(v_hi < mag, s, hi), jnp.where(v_hi < mag, top, v_hi)
-        gap = v_hi > v_lo
-        # The levels scaled before they are subtracted: two neighbouring levels of a norm
-        # below s * 2**-126 are apart by less than float32's smallest normal, a gap
-        # that flushes to 0 unscaled (p = Inf, the upper level always).
-        v_lo = ldexp(v_lo, -e)
-        p = (y - v_lo) / jnp.where(gap, ldexp(v_hi, -e) - v_lo, 1.0)
-        return lo, hi, jnp.where(gap, p, 0.0)
+        # Scaled before the levels are subtracted: neighbouring levels of a norm below
+        # s * 2**-126 lie closer than float32's smallest normal.
+        return lo, hi, fraction_between(mag, v_lo, v_hi, e)
 
     def quantize(self, key, mag: jax.Array, norm: jax.Array, dtype, offset: int = 0):
         """Levels for magnitudes ``mag <= norm`` (float32 integers; int32 beyond ``2**24``
