@@ -81,19 +81,46 @@ def pack_summing(codes: jax.Array, width: int, terms: jax.Array) -> tuple[jax.Ar
     per_word = WORD // width
     values = jnp.pad(terms.astype(jnp.float32), (0, -terms.shape[0] % per_word))
     words, sums = jax.lax.reduce(
-        (_shifted_rows(codes.astype(jnp.uint32), width, per_word), values.reshape(-1, per_word)),
+        (_shifted_rows(codes.astype(jnp.uint32), width, per_word), _rows(values, per_word)),
         (jnp.uint32(0), jnp.float32(0.0)),
         lambda a, b: (a[0] + b[0], a[1] + b[1]),
-        (1,),
+        _word_axes(per_word),
     )
     return words, jnp.sum(sums)
 
 
+#: How a word's 32 one-bit codes are laid out for the reduction that packs them:
+#: ``(8, 4)``, reduced over both axes (the same words; see :func:`_rows`).
+_BIT_ROW = (8, 4)
+
+
+def _rows(a: jax.Array, per_word: int) -> jax.Array:
+    """``a`` (a multiple of ``per_word`` entries) in rows of one word's entries.
+
+    A row of 32 one-bit codes is viewed as ``(8, 4)`` and reduced over both
+    axes: the same row-major entries, so the same words, but XLA's CPU
+    backend vectorises that loop and not the reduction over one minor axis
+    of 32.  Packing the signs of ``2^24`` float32 entries took 4.2 ms as a
+    reduction over 32 against 1.2 ms over ``(8, 4)`` (2 ms with ``(4, 8)``
+    or in two reductions; AMD EPYC, 2026-11-28); with 2- and 4-bit codes
+    (16 and 8 to a word) the same views were slower than one axis, and the
+    GPU's reduction passes group adjacent reduced axes back into one.
+    """
+    if per_word == WORD:
+        return a.reshape(-1, *_BIT_ROW)
+    return a.reshape(-1, per_word)
+
+
+def _word_axes(per_word: int) -> tuple[int, ...]:
+    """The axes of :func:`_rows`'s view that one word's entries span."""
+    return (1, 2) if per_word == WORD else (1,)
+
+
 def _shifted_rows(u: jax.Array, width: int, per_word: int) -> jax.Array:
-    """uint32 values in zero-padded rows of one word's ``per_word``, each shifted to its bit
-    range (consecutive entries share a word)."""
+    """uint32 values in zero-padded rows of one word's ``per_word`` (:func:`_rows`), each
+    shifted to its bit range (consecutive entries share a word)."""
     padded = jnp.pad(u, (0, -u.shape[0] % per_word))
-    return padded.reshape(-1, per_word) << _shifts(width, per_word)
+    return _rows(padded, per_word) << _rows(_shifts(width, per_word), per_word)[0]
 
 
 def unpack(packed: jax.Array, width: int, n: int) -> jax.Array:
@@ -185,7 +212,9 @@ def pack_fields(u: jax.Array, width: int, per_word: int) -> jax.Array:
     n = u.shape[0]
     if not planar(per_word):
         # Disjoint bit ranges: the sum is the bitwise or.
-        return jnp.sum(_shifted_rows(u, width, per_word), axis=1, dtype=jnp.uint32)
+        return jnp.sum(
+            _shifted_rows(u, width, per_word), axis=_word_axes(per_word), dtype=jnp.uint32
+        )
     if n == 0:
         return jnp.zeros((0,), jnp.uint32)
     unit = packing_unit(per_word)
