@@ -107,21 +107,24 @@ def _rows(a: jax.Array, per_word: int) -> jax.Array:
     XLA's GPU pipeline groups adjacent reduced axes back into one (not
     measured on a GPU).
     """
-    if per_word == WORD:
-        return a.reshape(-1, *_BIT_ROW)
-    return a.reshape(-1, per_word)
+    return a.reshape(-1, *_row_shape(per_word))
+
+
+def _row_shape(per_word: int) -> tuple[int, ...]:
+    """The shape of one word's entries in :func:`_rows`'s view."""
+    return _BIT_ROW if per_word == WORD else (per_word,)
 
 
 def _word_axes(per_word: int) -> tuple[int, ...]:
     """The axes of :func:`_rows`'s view that one word's entries span."""
-    return (1, 2) if per_word == WORD else (1,)
+    return tuple(range(1, 1 + len(_row_shape(per_word))))
 
 
 def _shifted_rows(u: jax.Array, width: int, per_word: int) -> jax.Array:
     """uint32 values in zero-padded rows of one word's ``per_word`` (:func:`_rows`), each
     shifted to its bit range (consecutive entries share a word)."""
     padded = jnp.pad(u, (0, -u.shape[0] % per_word))
-    return _rows(padded, per_word) << _rows(_shifts(width, per_word), per_word)[0]
+    return _rows(padded, per_word) << _shifts(width, per_word).reshape(_row_shape(per_word))
 
 
 def unpack(packed: jax.Array, width: int, n: int) -> jax.Array:
