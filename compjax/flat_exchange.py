@@ -74,17 +74,20 @@ def gathered_mean(comp, key, x, names, n, guard=True):
     if comp.linear:
 
         def summed(scale):
+            """The decoded psum, flattened: the overflow check's loop carries it and reads it
+            1-D (a decode in the array's shape was written twice, once for the loop and
+            once flat for the check)."""
             payload = compress_message(comp, key, x if scale == 1.0 else _times(x, scale))
             record("payload", payload, "all_reduce", names)
             total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
-            return comp.decompress(total).astype(jnp.float32), payload
+            return comp.decompress(total).astype(jnp.float32).reshape(-1), payload
 
         total, payload = summed(1.0)
         if not guard:
-            return total / n, payload, None
+            return (total / n).reshape(payload.meta[0]), payload, None
         # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
         mean, finite = mean_without_overflow(total, lambda s: summed(s)[0], n)
-        return mean, payload, finite
+        return mean.reshape(payload.meta[0]), payload, finite
     payload = compress_message(comp, collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
     gathered = collectives.all_gather(payload, names)

@@ -209,6 +209,23 @@ def test_summed_psummed_and_gathered_means_of_the_largest_finite_values(comp_nam
     np.testing.assert_array_equal(out, np.asarray(x, np.float64))
 
 
+def test_float16_cast_psum_that_overflows_keeps_its_other_entries():
+    """``compress(cast("float16"))`` over 4 workers: the float16 ``psum`` of 3e4 overflows
+    and is sent again pre-scaled (mean 3e4); the step's small entries are the same bits
+    as in a step where nothing overflows (their pre-scaled terms would be subnormal)."""
+    tx = compjax.compress(compjax.cast("float16"), "data")
+    small = jnp.asarray([1.1e-5, 1.21e-5, 1.32e-5, 1.43e-5])
+
+    @jax.jit
+    def mean(x):
+        return jax.vmap(tx.update, axis_name="data")(x, jax.vmap(tx.init)(x))[0]
+
+    big = np.asarray(mean(jnp.stack([jnp.full(4, 3e4), small], axis=1)))
+    quiet = np.asarray(mean(jnp.stack([jnp.ones(4), small], axis=1)))
+    np.testing.assert_array_equal(big[:, 0], np.float32(3e4))
+    np.testing.assert_array_equal(big[:, 1], quiet[:, 1])
+
+
 @pytest.mark.parametrize(
     "exchange_name",
     [e if e == "scatter_gather" else pytest.param(e, marks=pytest.mark.slow) for e in EXCHANGES],
