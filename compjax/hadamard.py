@@ -3,11 +3,13 @@
 ``fwht(x)`` is ``H x / sqrt(n)`` with ``H`` the Sylvester Hadamard matrix of
 order ``n = 2^k`` (``scipy.linalg.hadamard(n)``): orthonormal and symmetric,
 hence its own inverse.  It runs as a few matrix products with small Hadamard
-matrices (``H_n = H_(f_1) (x) ... (x) H_(f_p)``, each ``f <= 64``), never a
-dense ``n x n`` matrix: each product contracts the leading index digit and
-moves it last, one pass over memory and ``f`` multiply-adds per entry, so
-``2^24`` entries take 4 passes.  On a CPU these are XLA's matrix-multiply
-kernels, several times faster than ``log2 n`` butterfly stages of one
+matrices (``H_n = H_(f_1) (x) ... (x) H_(f_p)``), never a dense ``n x n``
+matrix: each product contracts the leading index digit and moves it last,
+one pass over memory and ``f`` multiply-adds per entry.  On a CPU the
+factors are at most ``H_32`` (``2^24`` entries: 5 passes, four of 32
+multiply-adds per entry and one of 16), on an accelerator ``H_64`` (4
+passes of 64).  Either way these are XLA's matrix-multiply kernels,
+several times faster on a CPU than ``log2 n`` butterfly stages of one
 addition each (measured in ``make bench``'s Hadamard row).
 
 A randomized Hadamard rotation is ``R x = fwht(D x)`` with ``D`` a diagonal of
@@ -41,7 +43,15 @@ def next_power_of_two(n: int) -> int:
 #: The sign bit of a float32, as uint32.
 _SIGN_BIT = 0x80000000
 
-#: Most index bits one matrix product of the transform handles (``H_64``).
+#: Most index bits one matrix product of the transform handles on a CPU (``H_32``).  EDEN's
+#: 1-bit compress plus decompress on the 2-core AMD EPYC (2026-11-28; one process,
+#: interleaved, 7 rounds) took, for ``2^24`` entries, 400 ms with ``H_32`` factors, 354 with
+#: ``H_16``, 374 with ``H_8`` and 560 with ``H_64``; for the ResNet-50 tree 600, 565, 628 and
+#: 746 ms.  On the 2-core Intel Xeon (2026-11-27) EDEN's 3-round rotation of ``2^24``
+#: entries took 213 ms with ``H_32``, 254 with ``H_16`` and 209 with ``H_64``: ``H_32`` is
+#: within 2% of the best on one machine and 13% on the other.
+_CPU_FACTOR_BITS = 5
+#: The same on an accelerator (GPU, TPU): ``H_64``, fewer passes over memory.
 _FACTOR_BITS = 6
 
 
@@ -49,20 +59,35 @@ def fwht(x: jax.Array) -> jax.Array:
     """Orthonormal Walsh-Hadamard transform along the last axis (length a power of two).
 
     Equals ``x @ scipy.linalg.hadamard(n) / sqrt(n)`` up to float32 rounding;
-    ``fwht(fwht(x)) == x`` up to rounding.  With ``n = f_1 ... f_p`` (each
-    ``f <= 64``, :func:`_factor_bits`) and ``H_n = H_(f_1) (x) ... (x)
-    H_(f_p)``, each product contracts the leading index digit of every row
-    with ``H_f`` and moves the transformed digit last, so after ``p``
-    products the order is natural again: ``p`` reads and writes of the array
-    (4 for ``2**24`` entries) instead of ``log2 n``.
+    ``fwht(fwht(x)) == x`` up to rounding.  As :func:`_products` of small
+    Hadamard matrices, at most ``H_32`` on a CPU and ``H_64`` on an
+    accelerator (``jax.lax.platform_dependent``: the same transform, rounded
+    differently by each backend's factors).
     """
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"the last axis must have a power-of-two length, got {n}")
     if n == 0:
         return x
+    return jax.lax.platform_dependent(
+        x,
+        cpu=functools.partial(_products, most=_CPU_FACTOR_BITS),
+        default=functools.partial(_products, most=_FACTOR_BITS),
+    )
+
+
+def _products(x: jax.Array, most: int) -> jax.Array:
+    """:func:`fwht` as products with Hadamard matrices of at most ``2**most`` rows.
+
+    With ``n = f_1 ... f_p`` (each ``f <= 2**most``, :func:`_factor_bits`)
+    and ``H_n = H_(f_1) (x) ... (x) H_(f_p)``, each product contracts the
+    leading index digit of every row with ``H_f`` and moves the transformed
+    digit last, so after ``p`` products the order is natural again: ``p``
+    reads and writes of the array instead of ``log2 n``.
+    """
+    n = x.shape[-1]
     rows = x.reshape(-1, n)
-    for bits in _factor_bits(n.bit_length() - 1):
+    for bits in _factor_bits(n.bit_length() - 1, most):
         h = jnp.asarray(_sylvester(bits), x.dtype)
         rows = jax.lax.dot_general(
             rows.reshape(rows.shape[0], 1 << bits, -1),
@@ -73,9 +98,9 @@ def fwht(x: jax.Array) -> jax.Array:
     return (rows * jnp.asarray(n**-0.5, x.dtype)).reshape(x.shape)
 
 
-def _factor_bits(bits: int) -> list[int]:
-    """``bits`` split into as few parts of at most :data:`_FACTOR_BITS` as can be, as even."""
-    parts = -(-bits // _FACTOR_BITS)
+def _factor_bits(bits: int, most: int) -> list[int]:
+    """``bits`` split into as few parts of at most ``most`` as can be, as even."""
+    parts = -(-bits // most)
     return [bits // parts + (i < bits % parts) for i in range(parts)]
 
 

@@ -70,18 +70,26 @@ def _butterfly(x: np.ndarray) -> np.ndarray:
 
 
 def test_fwht_of_long_vectors_is_the_butterfly():
-    """Past the sizes a matrix can check (products with H_64, H_32, ...: 2**17 = 2**6 2**6
-    2**5), the transform against the float64 butterfly, plain, batched and under vmap."""
-    assert hadamard._factor_bits(24) == [6, 6, 6, 6]
-    assert hadamard._factor_bits(17) == [6, 6, 5]
-    assert hadamard._factor_bits(13) == [5, 4, 4]
-    assert hadamard._factor_bits(0) == []
+    """Past the sizes a matrix can check, the transform against the float64 butterfly, plain,
+    batched and under vmap: on the CPU (products with H_32, H_16: 2**17 = 2**5 2**4 2**4 2**4),
+    and the accelerators' form (H_64, H_32: 2**6 2**6 2**5) run here directly."""
+    assert hadamard._factor_bits(24, 5) == [5, 5, 5, 5, 4]
+    assert hadamard._factor_bits(17, 5) == [5, 4, 4, 4]
+    assert hadamard._factor_bits(24, 6) == [6, 6, 6, 6]
+    assert hadamard._factor_bits(17, 6) == [6, 6, 5]
+    assert hadamard._factor_bits(13, 6) == [5, 4, 4]
+    assert hadamard._factor_bits(0, 5) == []
     x = jax.random.normal(jax.random.key(17), (1 << 17,), jnp.float32)
+    reference = _butterfly(np.asarray(x))
     y = jax.jit(hadamard.fwht)(x)
-    np.testing.assert_allclose(y, _butterfly(np.asarray(x)), rtol=0, atol=2e-5)
+    np.testing.assert_allclose(y, reference, rtol=0, atol=2e-5)
+    cpu = jax.jit(hadamard._products, static_argnums=1)(x, hadamard._CPU_FACTOR_BITS)
+    np.testing.assert_array_equal(y, cpu)  # the CPU takes its own factors
     np.testing.assert_array_equal(jax.jit(hadamard.fwht)(x[None])[0], y)
     np.testing.assert_array_equal(jax.jit(jax.vmap(hadamard.fwht))(x[None])[0], y)
     np.testing.assert_allclose(jax.jit(hadamard.fwht)(y), x, rtol=1e-4, atol=1e-5)
+    accelerators = jax.jit(hadamard._products, static_argnums=1)(x, hadamard._FACTOR_BITS)
+    np.testing.assert_allclose(accelerators, reference, rtol=0, atol=2e-5)
 
 
 def test_randomized_rotation_inverts():
