@@ -5,7 +5,7 @@ Compressors are immutable values built by the factories below; each has
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
 """
 
-from compjax import collectives, dct, exchange, hadamard, nnx, sharded
+from compjax import collectives, dct, exchange, hadamard, merges, nnx, sharded
 from compjax.accounting import CommunicationReport, communication
 from compjax.auto import Auto, AutoReport, AutoState, auto
 from compjax.collectives import worker_params
@@ -126,6 +126,7 @@ __all__ = [
     "int_quant_rotated_omega",
     "l2_scaled_sign",
     "local_steps",
+    "merges",
     "mx",
     "natural",
     "natural_dithering",
