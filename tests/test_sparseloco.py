@@ -165,3 +165,122 @@ def test_rounds_send_chunked_top_k_of_the_decayed_memory():
         np.testing.assert_allclose(got, np.broadcast_to(theta, got.shape), atol=2e-6)
         local = np.broadcast_to(theta, local.shape).copy()
         assert (np.abs(error) > 1e-3).any() and (np.abs(sent) > 0).sum() <= N * 3 * 2
+
+
+# The reference options: 1-D leaves in their own chunks, median-norm clipping, per-entry
+# averaging over the workers that sent an entry (the authors' code, templar).
+P1 = {"w": P0["w"], "b": np.linspace(-0.2, 0.3, 16, dtype=np.float32)}
+ZS = _RNG.normal(size=(6, N, 16)).astype(np.float32)
+REFERENCE_OPTIONS = [
+    dict(chunk_1d=8),  # 1-D chunks of 8 entries with min(k, 8) = 2 kept
+    dict(merge="median_norm_clip", average="senders"),
+    dict(chunk_1d=4, merge="median_norm_clip", average="senders"),
+    dict(chunk_1d=8, average="senders"),
+]
+
+
+def loss1(p, x, y, z):
+    return jnp.mean((x @ p["w"] - y) ** 2) + jnp.mean((p["b"] - z) ** 2)
+
+
+@functools.cache
+def vmapped_reference(options: tuple):
+    tx = compjax.sparseloco(
+        optax.sgd(LR), H, "data", outer_lr=OUTER_LR, error_decay=BETA, **COMP, **dict(options)
+    )
+
+    def step(p, s, x, y, z):
+        g = jax.grad(loss1)(p, x, y, z)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, g
+
+    init = jax.jit(jax.vmap(lambda _: tx.init(P1)))
+    return init, jax.jit(jax.vmap(step, axis_name="data"))
+
+
+def np_sent(x, k, chunk):
+    """Where the chunked top-k of ``x`` sends (numpy, first on ties)."""
+    x = np.asarray(x, np.float64).reshape(-1)
+    size = min(chunk, x.size)
+    count = -(-x.size // size)
+    rows = np.zeros(count * size)
+    rows[: x.size] = x
+    idx = np.argsort(-np.abs(rows.reshape(count, size)), axis=1, kind="stable")[:, : min(k, size)]
+    mask = np.zeros(count * size, bool)
+    mask[(np.arange(count)[:, None] * size + idx).reshape(-1)] = True
+    return mask[: x.size]
+
+
+def np_templar_outer(messages, sent, clip, senders):
+    """Transcription of the authors' outer step for one tensor: each peer's message scaled by
+    ``min(1, median / (norm + 1e-8))`` (``torch.median``: the lower median), then
+    ``scatter_reduce(mean, include_self=False)``: each entry averaged over its senders."""
+    if clip:
+        norms = np.linalg.norm(messages, axis=1)
+        med = np.sort(norms)[(len(norms) - 1) // 2]
+        messages = messages * np.minimum(med / (norms + 1e-8), 1.0)[:, None]
+    if not senders:
+        return messages.mean(0)
+    count = sent.sum(0)
+    return np.where(count > 0, (messages * sent).sum(0) / np.maximum(count, 1), 0.0)
+
+
+@pytest.mark.parametrize("options", REFERENCE_OPTIONS, ids=str)
+def test_reference_options_match_a_transcription(options):
+    """Three rounds with the reference options against numpy: the 1-D leaf chunked by
+    ``chunk_1d``, the messages clipped to the median norm per leaf and averaged per entry."""
+    init, step = vmapped_reference(tuple(sorted(options.items())))
+    params, state = compjax.worker_copies(P1, N), init(jnp.arange(N))
+    theta = {k: v.astype(np.float64) for k, v in P1.items()}
+    error = {k: np.zeros((N, *v.shape)) for k, v in P1.items()}
+    local = {k: np.broadcast_to(v, (N, *v.shape)).astype(np.float64) for k, v in P1.items()}
+    clip = options.get("merge") == "median_norm_clip"
+    senders = options.get("average") == "senders"
+    for t in range(6):
+        params, state, grads = step(params, state, XS[t], YS[t], ZS[t])
+        for k in P1:
+            local[k] = local[k] - LR * np.asarray(grads[k], np.float64)
+        if (t + 1) % H:
+            continue
+        for k in P1:
+            comp = dict(COMP)
+            if k == "b" and "chunk_1d" in options:
+                comp.update(chunk=options["chunk_1d"], k=min(COMP["k"], options["chunk_1d"]))
+            acc = BETA * error[k] + (theta[k] - local[k])
+            flat = acc.reshape(N, -1)
+            sent = np.stack([np_chunked_top_k(a, **comp) for a in flat])
+            mask = np.stack([np_sent(a, comp["k"], comp["chunk"]) for a in flat])
+            error[k] = acc - sent.reshape(acc.shape)
+            merged = np_templar_outer(sent, mask, clip, senders)
+            theta[k] = theta[k] - OUTER_LR * merged.reshape(theta[k].shape)
+            np.testing.assert_allclose(np.asarray(state.error[k][:, 0]), error[k], atol=3e-6)
+            got = compjax.global_params(state, stacked=True)[k]
+            np.testing.assert_allclose(got, np.broadcast_to(theta[k], got.shape), atol=3e-6)
+            local[k] = np.broadcast_to(theta[k], local[k].shape).copy()
+
+
+def test_reference_path_with_default_choices_is_the_default():
+    """chunk_1d = chunk takes the gathering path with the default merge: the same rounds."""
+    a_init, a_step = vmapped_reference(())
+    b_init, b_step = vmapped_reference((("chunk_1d", COMP["chunk"]),))
+    pa = pb = compjax.worker_copies(P1, N)
+    sa, sb = a_init(jnp.arange(N)), b_init(jnp.arange(N))
+    for t in range(4):
+        pa, sa, _ = a_step(pa, sa, XS[t], YS[t], ZS[t])
+        pb, sb, _ = b_step(pb, sb, XS[t], YS[t], ZS[t])
+    for a, b in zip(jax.tree.leaves((pa, sa)), jax.tree.leaves((pb, sb)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_reference_options_bad_arguments():
+    for kwargs, match in (
+        (dict(chunk_1d=0), "chunk_1d"),
+        (dict(chunk_1d=True), "chunk_1d"),
+        (dict(merge="median"), "merge"),
+        (dict(average="peers"), "average"),
+        (dict(merge="median_norm_clip", exchange="scatter_gather"), "exchange"),
+        (dict(average="senders", sync_every=0), "sync_every"),
+    ):
+        args = dict(sync_every=2) | kwargs
+        with pytest.raises(ValueError, match=match):
+            compjax.sparseloco(optax.sgd(0.1), args.pop("sync_every"), "data", **args)

@@ -7,12 +7,30 @@ References:
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import optax
 
+from compjax import collectives, merges
 from compjax.collectives import AxisName
-from compjax.compressors.chunked import chunked_top_k
-from compjax.exchange import Exchange
-from compjax.transforms.diloco import diloco
+from compjax.compressors.chunked import ChunkedTopK, chunk_layout, chunked_top_k
+from compjax.exchange import Exchange, as_exchange
+from compjax.transforms.base import (
+    Leaves,
+    any_non_finite,
+    cast_like,
+    counted,
+    guarded,
+    init_key,
+    state_zeros,
+    step_keys,
+)
+from compjax.transforms.diloco import DiLoCoState, diloco
+
+MERGES = ("mean", "median_norm_clip")
+AVERAGES = ("workers", "senders")
 
 
 def sparseloco(
@@ -27,6 +45,9 @@ def sparseloco(
     error_decay: float = 0.95,
     exchange: str | Exchange = "all_gather",
     seed: int = 0,
+    chunk_1d: int | None = None,
+    merge: str = "mean",
+    average: str = "workers",
 ) -> optax.GradientTransformation:
     """SparseLoCo: local steps, then error feedback with a decaying memory in place of
     DiLoCo's outer momentum, and a sparse, 2-bit message.
@@ -56,25 +77,175 @@ def sparseloco(
       error_decay: ``beta`` in ``[0, 1]``.
       exchange: how messages travel (:mod:`compjax.exchange`).
       seed: as in :func:`compjax.diloco`.
+      chunk_1d: chunk size for the leaves with at most one dimension above 1
+        (biases, norms' scales), with ``min(k, chunk_1d)`` entries kept per
+        chunk; ``None``: ``chunk``, like every leaf.  The authors' code
+        (templar) cuts such leaves in chunks of 64 (the largest divisor of
+        the length up to 64; the same where the length is a multiple of 64).
+      merge: ``"mean"``, or ``"median_norm_clip"``: before the outer step
+        each worker's message for a leaf is scaled by ``min(1, M / norm)``,
+        ``M`` the (lower) median of the workers' norms for that leaf
+        (:func:`compjax.merges.clip_to_median_norm` with ``per_leaf=True``),
+        as the authors' code does.
+      average: ``"workers"`` (each entry summed over the workers and divided
+        by their number) or ``"senders"`` (divided by the number of workers
+        that sent that entry; entries no worker sent stay 0), as the
+        authors' code does.
+
+    Any of ``chunk_1d``, ``merge`` or ``average`` away from its default
+    gathers every worker's message (``exchange="all_gather"`` only), merges
+    them as said, and steps ``theta <- theta - outer_lr * merged``; the state
+    is :class:`compjax.DiLoCoState`, as with the defaults.
 
     Returns:
-      The :func:`compjax.diloco` transformation described above.
+      The :func:`compjax.diloco` transformation described above, or with the
+      options above the same round with that merge.
 
     Raises:
-      ValueError: as :func:`compjax.chunked_top_k` and :func:`compjax.diloco`.
+      ValueError: as :func:`compjax.chunked_top_k` and :func:`compjax.diloco`;
+        ``chunk_1d`` not a positive integer, ``merge`` or ``average`` unknown,
+        or these options with an exchange other than ``"all_gather"``.
 
     References:
       Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo",
       arXiv 2508.15706, 2025.
     """
-    return diloco(
-        inner,
-        optax.sgd(outer_lr),
-        sync_every,
-        axis_name,
-        compressor=chunked_top_k(k=k, chunk=chunk, bits=bits),
-        exchange=exchange,
-        error_feedback=True,
-        error_decay=error_decay,
-        seed=seed,
-    )
+    comp = chunked_top_k(k=k, chunk=chunk, bits=bits)
+    if chunk_1d is None and merge == "mean" and average == "workers":
+        return diloco(
+            inner,
+            optax.sgd(outer_lr),
+            sync_every,
+            axis_name,
+            compressor=comp,
+            exchange=exchange,
+            error_feedback=True,
+            error_decay=error_decay,
+            seed=seed,
+        )
+    if chunk_1d is not None and (
+        isinstance(chunk_1d, bool) or not isinstance(chunk_1d, int) or chunk_1d < 1
+    ):
+        raise ValueError(f"chunk_1d must be a positive integer or None, got {chunk_1d!r}")
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    if average not in AVERAGES:
+        raise ValueError(f"average must be one of {AVERAGES}, got {average!r}")
+    if as_exchange(exchange).kind != "all_gather" or as_exchange(exchange).fast_axis is not None:
+        raise ValueError(
+            f"exchange must be 'all_gather' with chunk_1d, merge or average set, got {exchange!r}"
+        )
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+    if not 0.0 <= error_decay <= 1.0:
+        raise ValueError(f"error_decay must be in [0, 1], got {error_decay!r}")
+    vector = comp if chunk_1d is None else chunked_top_k(min(k, chunk_1d), chunk_1d, bits)
+    return _merged(
+        inner, optax.sgd(outer_lr), sync_every, axis_name, comp, vector, merge, average,
+        error_decay, seed,
+    )  # fmt: skip
+
+
+def is_vector(shape) -> bool:
+    """Whether a leaf of ``shape`` is chunked as a vector: at most one dimension above 1."""
+    return sum(d > 1 for d in shape) <= 1
+
+
+def _sent(comp: ChunkedTopK, wire, n: int) -> jax.Array:
+    """1.0 at the ``n`` flat positions a message sent, 0.0 elsewhere."""
+    size, count, _ = chunk_layout(n, comp.chunk, comp.k)
+    idx, _ = comp.entries(wire, n)
+    return jnp.zeros(count * size, jnp.float32).at[idx].set(1.0)[:n]
+
+
+def merged_messages(messages: jax.Array, sent: jax.Array, merge: str, average: str) -> jax.Array:
+    """One leaf's merge: ``messages`` and ``sent`` (1.0 where a worker sent an entry) stacked on
+    a leading worker axis; see :func:`sparseloco`'s ``merge`` and ``average``."""
+    if merge == "median_norm_clip":
+        messages, _ = merges.clip_to_median_norm(messages, per_leaf=True)
+    total = jnp.sum(messages, axis=0)
+    if average == "workers":
+        return total / messages.shape[0]
+    senders = jnp.sum(sent, axis=0)
+    return jnp.where(senders > 0, total / jnp.maximum(senders, 1.0), 0.0)
+
+
+def _merged(inner, outer, sync_every, axis_name, matrix, vector, merge, average, beta, seed):
+    """SparseLoCo's round with every message gathered and merged (:func:`sparseloco`)."""
+    fill = state_zeros(None)
+
+    def init_fn(params):
+        leaves = Leaves(params, flatten=False)
+        theta = leaves.rebuild([a.astype(fill(a).dtype) for a in leaves.arrays])
+        return DiLoCoState(
+            count=jnp.zeros([], jnp.int32),
+            key=init_key(seed),
+            global_params=theta,
+            outer_state=outer.init(theta),
+            inner_state=jax.tree.map(lambda x: jnp.asarray(x)[None], inner.init(params)),
+            error=leaves.worker_state(fill),
+        )
+
+    def sync(state, keys, local, params, errors):
+        theta = jax.tree.leaves(state.global_params)
+        means, new_errors = [], []
+        for key, t, lo, e in zip(keys, theta, local, errors, strict=True):
+            comp = vector if is_vector(t.shape) else matrix
+            p = t - lo.astype(t.dtype) + jnp.asarray(beta, e.dtype) * e
+            payload = comp.compress(collectives.worker_key(key, axis_name), p)
+            collectives.record("payload", payload, "all_gather", axis_name)
+            gathered = collectives.all_gather(payload, axis_name)
+            decoded = jax.vmap(comp.decompress)(gathered).reshape(-1, t.size)
+            sent = jax.vmap(functools.partial(_sent, comp, n=t.size))(gathered.wire)
+            means.append(merged_messages(decoded, sent, merge, average).reshape(t.shape))
+            new_errors.append(comp.subtract_decoded(payload, p))
+        delta = jax.tree.unflatten(jax.tree.structure(state.global_params), means)
+        outer_updates, outer_state = outer.update(delta, state.outer_state, state.global_params)
+        new_theta = optax.apply_updates(state.global_params, outer_updates)
+        out = [
+            t - p.astype(t.dtype) for t, p in zip(jax.tree.leaves(new_theta), params, strict=True)
+        ]
+        return out, new_theta, outer_state, new_errors
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(
+                "sparseloco: update(grads, state, params) needs params, this worker's own params"
+            )
+        leaves = Leaves(updates, flatten=False)
+        bad = any_non_finite(leaves.arrays, axis_name)
+        inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
+        inner_updates, inner_state = inner.update(updates, inner_state, params)
+        local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
+        params_arrays = jax.tree.leaves(params)
+        inner_out = [
+            u.astype(jnp.promote_types(u.dtype, p.dtype))
+            for u, p in zip(jax.tree.leaves(inner_updates), params_arrays, strict=True)
+        ]
+        errors = leaves.read(state.error, "error", per_worker=True)
+        key, keys = step_keys(state.key, len(leaves.arrays))
+        count = state.count + 1
+
+        def at_sync(local, params, errors):
+            out, theta, outer_state, errors = sync(state, keys, local, params, errors)
+            out = [o.astype(u.dtype) for o, u in zip(out, inner_out, strict=True)]
+            return out, theta, outer_state, errors
+
+        def in_round(local, params, errors):
+            return inner_out, state.global_params, state.outer_state, errors
+
+        out, theta, outer_state, new_errors = jax.lax.cond(
+            count % sync_every == 0, at_sync, in_round, local, params_arrays, errors
+        )
+        new_state = DiLoCoState(
+            count=count,
+            key=key,
+            global_params=theta,
+            outer_state=outer_state,
+            inner_state=jax.tree.map(lambda x: x[None], inner_state),
+            error=leaves.write(cast_like(new_errors, errors), per_worker=True),
+        )
+        out, new_state = guarded(bad, out, new_state, state)
+        return leaves.rebuild(out), new_state
+
+    return optax.GradientTransformation(init_fn, counted(update_fn))
