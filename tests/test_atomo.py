@@ -1,5 +1,8 @@
 """ATOMO: water-filling probabilities, unbiasedness, the exact variance, special cases."""
 
+from contextlib import nullcontext
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from test_unbiased import qsgd_variance, terngrad_variance, vectors
 
 import compjax
+from compjax.compressor import UnbiasedRangeWarning
 from compjax.compressors.atomo import water_fill
 
 
@@ -136,3 +140,66 @@ def test_bad_budget():
             compjax.atomo(bad)
         with pytest.raises(ValueError, match="budget"):
             compjax.atomo_svd(bad)
+
+
+SVD_FORMS = {
+    "eager": lambda comp, keys, x: np.stack([np.asarray(comp(k, x)) for k in keys[:2]]),
+    "jit": lambda comp, keys, x: np.stack([np.asarray(jax.jit(comp)(k, x)) for k in keys[:2]]),
+    "jit(vmap)": lambda comp, keys, x: np.asarray(
+        jax.jit(jax.vmap(comp, in_axes=(0, None)))(keys, x)
+    ),
+}
+
+
+@pytest.mark.parametrize("form", sorted(SVD_FORMS))
+@pytest.mark.parametrize(
+    ("shape", "value", "dtype"),
+    [((7,), 3e38, jnp.float32), ((3, 5), 2e38, jnp.float32), ((3, 5), -3e38, jnp.bfloat16)],
+)
+def test_svd_atoms_of_entries_near_the_float32_limit_decode_to_them(form, shape, value, dtype):
+    """A rank-1 input has one atom, kept w.p. 1 at ``s = 1``: the decode is the input.
+
+    ``sigma_1`` (``sqrt(7) * 3e38``) is beyond float32; the scale is split between the
+    sent scale and the right vector, and the decode rebuilds entries near the limit.
+    """
+    x = jnp.full(shape, value, dtype)
+    keys = jax.random.split(jax.random.key(5), 4)
+    with pytest.warns(UnbiasedRangeWarning) if form == "eager" else nullcontext():
+        out = SVD_FORMS[form](compjax.atomo_svd(1.0), keys, x)
+    out = np.asarray(out, np.float64)
+    assert np.all(np.isfinite(out))
+    # float32: the SVD's rounding; bfloat16: the decode rounds back to the input's value.
+    rtol = 2e-6 if dtype == jnp.float32 else 0.0
+    np.testing.assert_allclose(out, np.asarray(x, np.float64)[None].repeat(len(out), 0), rtol=rtol)
+
+
+def test_svd_atoms_scale_by_powers_of_two_exactly():
+    """The payload of ``x 2**k`` is that of ``x`` with scales (or right vectors) times
+    ``2**k``, and its decode ``2**k`` times ``x``'s, up to the float32 limit: a Gaussian
+    64 x 128 matrix of standard deviation 1e36 used to decode to Inf and NaN."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
+    comp = compjax.atomo_svd(1.0)
+    fn = jax.jit(comp)
+    key = jax.random.key(7)
+    base = np.asarray(fn(key, x), np.float64)
+    assert np.all(np.isfinite(base)) and np.any(base)
+    for k in (-100, 60, 100, 119):
+        big = np.asarray(fn(key, x * np.float32(2.0**k)), np.float64)
+        np.testing.assert_array_equal(big, base * 2.0**k)
+
+
+def test_svd_atoms_beyond_float32_saturate():
+    """At ``s = 1/2`` a rank-1 atom of 3e38 entries is sent w.p. 1/2 as 6e38 entries: they
+    saturate at float32's largest value (biased, as the range warning says), never Inf."""
+    x = jnp.full((7,), 3e38, jnp.float32)
+    comp = compjax.atomo_svd(0.5)
+    with pytest.warns(UnbiasedRangeWarning, match="saturates"):
+        comp.compress(jax.random.key(0), x)
+    outs = np.asarray(
+        jax.jit(jax.vmap(comp, in_axes=(0, None)))(jax.random.split(jax.random.key(8), 64), x)
+    )
+    kept = np.any(outs != 0, axis=1)
+    assert 0 < kept.sum() < 64
+    np.testing.assert_array_equal(outs[kept], np.finfo(np.float32).max)
+    np.testing.assert_array_equal(outs[~kept], 0.0)

@@ -151,21 +151,38 @@ class AtomoSVD(Compressor):
         # entries near the float32 limit neither overflow nor flush to zero.
         e, _ = unit_scale(jnp.max(jnp.abs(m), initial=0.0))
         u, s, vt = jnp.linalg.svd(ldexp(m, -e), full_matrices=False)
-        s = ldexp(s, e)
         rank = s.shape[0]
+        # p is scale-free: the singular values of m 2**-e give those of m (sigma_1 of 7
+        # entries of 3e38 is 7.9e38, beyond float32: unscaled it would be Inf and p 0).
         p = water_fill(s, self.budget)
         idx = _kept_slots(key, p, capacity(self.budget, rank))
         safe = jnp.minimum(idx, max(rank - 1, 0))
         used = idx < rank
         scale = jnp.where(used, s[safe] / jnp.where(used, p[safe], 1.0), 0.0)
+        # sigma_i / p_i is 2**e times scale; the part of 2**e that the scales cannot hold
+        # (only for entries near the float32 limit) goes into the right vectors, whose
+        # entries are at most 1, so that each sent number is finite.
+        top, _ = unit_scale(jnp.max(scale, initial=0.0))
+        e_scale = jnp.minimum(e, 127 - top)
+        scale = ldexp(scale, e_scale)
+        right = vt[safe, :]
+        right = jnp.where(e_scale < e, ldexp(right, e - e_scale), right)
         # An Inf/NaN makes the SVD meaningless: send NaN scales, which decode to NaN.
         scale = jnp.where(all_finite(m), scale, jnp.nan)
-        wire = {"left": u[:, safe] * used, "right": vt[safe, :], "scales": scale}
+        wire = {"left": u[:, safe] * used, "right": right, "scales": scale}
         return self.payload(wire, {}, x)
 
     def decompress(self, payload):
         wire = payload.wire
-        m = (wire["left"] * wire["scales"]) @ wire["right"]
+        # Scales beyond 2**64 are brought down by a power of two g for the product (exact)
+        # and the result back up, saturating at float32's largest value instead of Inf: a
+        # draw sigma_i u_i v_i^T / p_i beyond float32 saturates, and partial sums of atoms
+        # larger than float32 that cancel stay finite.  g = 0 everywhere else.
+        top, _ = unit_scale(jnp.max(jnp.abs(wire["scales"]), initial=0.0))
+        g = jnp.maximum(top - 64, 0)
+        m = (wire["left"] * ldexp(wire["scales"], -g)) @ wire["right"]
+        limit = ldexp(jnp.float32(dtype_max(jnp.float32)), -g)
+        m = ldexp(jnp.where(jnp.isfinite(m), jnp.clip(m, -limit, limit), m), g)
         return self.finish(m.reshape(-1), payload)
 
     def omega(self, d):
@@ -252,6 +269,14 @@ def atomo_svd(budget: float) -> AtomoSVD:
 
     In bfloat16/float16 the decoded product is rounded to the input dtype,
     deterministically: unbiased only up to that rounding (half an ulp).
+
+    Entries near the float32 limit: the SVD is of ``x 2**-e`` (``2**e <=
+    max|x|``) and ``p`` is drawn from its singular values (scale-free); the
+    part of ``2**e`` that a scale ``sigma_i / p_i`` cannot hold goes into the
+    right vectors, and the decode's product is scaled the same way and
+    saturates at float32's largest value: 7 entries of 3e38 (``sigma_1`` =
+    7.9e38) decode to themselves, a draw beyond float32 to its largest value.
+    Range of unbiasedness: ``unbiased_range(d, dtype)`` (a sufficient bound).
 
     Wire format: :func:`capacity` ``(s, rank)`` slots of a left vector, a right
     vector and a float32 scale (unused slots zero): ``32 (rows + cols + 1)``
