@@ -232,7 +232,7 @@ def _shard_shape(shape, spec, names: tuple[str, ...], sizes: tuple[int, ...]) ->
                 raise ValueError(
                     f"the fsdp step splits its params over {axis!r}: pass axis_name={axis!r}"
                 )
-            out[dim] //= size_of[axis]
+            out[dim] = -(-out[dim] // size_of[axis])  # a padded leaf: its padded shard
     return tuple(out)
 
 

@@ -14,8 +14,9 @@ its optimizer state.  Each step, every worker
 3. updates its shard with the optax optimizer.
 
 Which dimension of a leaf is split is decided by :func:`fsdp_specs` (the
-largest dimension divisible by the number of workers; leaves smaller than
-``min_size`` entries, or without such a dimension, stay replicated).  On a
+largest dimension divisible by the number of workers, else the largest
+dimension, padded with zeros to a multiple of it; leaves smaller than
+``min_size`` entries stay replicated).  On a
 ``(slow, fast)`` pair of axes the gather and the reduce-scatter each take
 two stages, and only the slow stages are compressed (:mod:`compjax.hpz`,
 ZeRO++'s hpZ).
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,18 @@ from compjax.collectives import (
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
 from compjax.exchange import compressed_reduce_scatter
-from compjax.fsdp_layout import fsdp_specs, opt_state_specs, spec_dim
+from compjax.fsdp_layout import (
+    check_param_dtypes,
+    fsdp_specs,
+    opt_state_specs,
+    own_shapes,
+    owned_part,
+    padded_shape,
+    spec_dim,
+    to_stored,
+    without_padding,
+)
+from compjax.fsdp_state import FSDP, FSDPState
 from compjax.param_gather import GATHERS, gathered
 from compjax.scatter import shared_scales
 from compjax.transforms.base import all_finite, any_non_finite, init_key, step_keys
@@ -61,53 +73,6 @@ P = jax.P
 
 #: Feedback on the compressed reduce-scatter (see :func:`fsdp`'s ``feedback``).
 FEEDBACKS = (None, "ef", "ef21")
-
-
-class FSDPState(NamedTuple):
-    """State of :func:`fsdp`'s step.
-
-    Attributes:
-      opt_state: the optax state, each leaf laid out like its parameter's
-        shard (sharded leaves) or replicated.
-      key: shared PRNG key of the gradient compressor (raw uint32).
-      memory: with ``feedback``, one array per sharded leaf (a tuple in leaf
-        order), each worker's own of the leaf's full shape (global shape
-        ``(workers, *shape)``, split over the data axis): the error memory
-        ``e_i`` (``"ef"``) or the gradient estimate ``g_i`` (``"ef21"``);
-        else ``()``.  On a ``(slow, fast)`` pair of axes each worker's
-        memory is of the ``1/L`` of the leaf it sends over the slow axis
-        (the split dimension divided by ``L``), its rows in the order of the
-        params' shards.
-      shift: with ``feedback="ef21"``, the owner's shard of
-        ``mean_i g_i``, laid out like the parameter; else ``()``.
-    """
-
-    opt_state: Any
-    key: jax.Array
-    memory: tuple = ()
-    shift: tuple = ()
-
-
-class FSDP(NamedTuple):
-    """What :func:`fsdp` returns.
-
-    Attributes:
-      init: ``init(params) -> state`` (jitted).
-      step: ``step(params, state, *batch) -> (params, state, loss)`` (jitted);
-        the params come back sharded as ``param_specs`` say.
-      param_specs: the parameters' ``PartitionSpec`` s (:func:`fsdp_specs`).
-      specs: the :class:`FSDPState`'s ``PartitionSpec`` s.
-      exchange: ``exchange(shards) -> grad_shards``, one step's messages in a
-        worker's view (inside a mapping over the data axis): the parameter
-        gather and the gradient reduce-scatter, without the loss; what
-        :func:`compjax.communication` traces to count them.
-    """
-
-    init: Callable[[Any], FSDPState]
-    step: Callable[..., tuple[Any, FSDPState, jax.Array]]
-    param_specs: Any
-    specs: Any
-    exchange: Callable[[Any], Any]
 
 
 def fsdp(
@@ -146,7 +111,8 @@ def fsdp(
         be computed per shard, and a global reduction kept in the state
         (``optax.apply_if_finite``'s counters, which the step's own skipping
         replaces) varies over the workers, which ``shard_map`` refuses.
-      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``), in float32,
+        bfloat16 or float16.
       mesh: the device mesh; every batch array is split along its first
         axis over ``axis_name``.
       axis_name: the data-parallel mesh axis, over which the shards are split;
@@ -177,19 +143,24 @@ def fsdp(
         exact; only the forward and backward passes see the decoded weights.
       gather_block: entries per int8 block.
       min_size: leaves with fewer entries stay replicated (their gradient
-        is averaged exactly, uncompressed).
+        is averaged exactly, uncompressed); every other leaf is split, padded
+        if no dimension is a multiple of the number of workers (its padding
+        rows hold zeros, get zero gradients and zero optimizer state, and
+        are counted by :func:`compjax.communication`).
       seed: seed of the compressor's shared key.
 
     Returns:
       :class:`FSDP`.  ``step`` returns the new params (sharded), the new
       state and the loss averaged over workers.  A step whose gradient
       holds an Inf or NaN on any worker (or whose reduced shards or error
-      memory would) is skipped on every worker: the params and the whole
-      state come back unchanged, and the loss shows it.
+      memory would: a float32 or float16 sum that overflows) is skipped on
+      every worker: the params and the whole state come back unchanged, and
+      the returned loss is NaN.
 
     Raises:
       ValueError: ``axis_name`` is not one axis of ``mesh`` or a pair of
-        distinct ones; ``gather`` or
+        distinct ones; a float64 parameter (here, at ``init`` or at
+        ``step``); ``gather`` or
         ``gather_block`` or ``feedback`` is invalid; ``feedback`` without a
         ``compressor``; an optimizer state leaf not laid out like a parameter;
         or, at the first ``step``, ``loss_fn``'s value is already reduced
@@ -203,6 +174,7 @@ def fsdp(
       Error Feedback", NeurIPS 2021.
     """
     names = hpz.check_axis_name(axis_name, mesh)
+    check_param_dtypes(params)
     if gather is not None and gather not in GATHERS:
         raise ValueError(f"gather must be None or one of {GATHERS}, got {gather!r}")
     if isinstance(gather_block, bool) or not isinstance(gather_block, int) or gather_block < 1:
@@ -224,17 +196,28 @@ def fsdp(
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     dims = jax.tree.map(spec_dim, param_specs, is_leaf=is_spec)
     dim_list = jax.tree.leaves(dims, is_leaf=lambda x: x is None)
-    leaf_shapes = [tuple(np.shape(p)) for p in jax.tree.leaves(params)]
+    leaves, treedef = jax.tree.flatten(params)
+    leaf_shapes = [tuple(np.shape(p)) for p in leaves]
+    # Stored shapes: a split dimension that is not a multiple of n padded up to one.
+    stored_shapes = [padded_shape(s, d, n) for s, d in zip(leaf_shapes, dim_list, strict=True)]
+    stored = treedef.unflatten(
+        [jax.ShapeDtypeStruct(s, p.dtype) for s, p in zip(stored_shapes, leaves, strict=True)]
+    )
+    # The rows of a padded leaf's own (split) dimension; None where nothing is padded.
+    own_rows = [
+        None if s == t else s[d]
+        for s, t, d in zip(leaf_shapes, stored_shapes, dim_list, strict=True)
+    ]
     # Error memories in float32, or the leaf's dtype where wider.
-    memory_dtypes = [jnp.promote_types(p.dtype, jnp.float32) for p in jax.tree.leaves(params)]
+    memory_dtypes = [jnp.promote_types(p.dtype, jnp.float32) for p in leaves]
     ef_leaves = [i for i, dim in enumerate(dim_list) if dim is not None] if feedback else []
     # A worker's memory is of what it sends over ``slow``: the leaf, or 1/L of it on a pair.
     memory_shapes = {
-        i: tuple(s // n_fast if j == dim_list[i] else s for j, s in enumerate(leaf_shapes[i]))
+        i: tuple(s // n_fast if j == dim_list[i] else s for j, s in enumerate(stored_shapes[i]))
         for i in ef_leaves
     }
     specs = FSDPState(
-        opt_state=opt_state_specs(opt, params, dims, n, shard_axes),
+        opt_state=opt_state_specs(opt, stored, dims, n, shard_axes),
         key=P(),
         memory=tuple(P(shard_axes) for _ in ef_leaves),
         shift=tuple(jax.tree.leaves(param_specs, is_leaf=is_spec)[i] for i in ef_leaves)
@@ -259,27 +242,29 @@ def fsdp(
         x = moved + memory if feedback == "ef" else moved - memory
         return x.astype(g.dtype), key, moved, memory, shard_shape
 
-    def reduced(prep, g, dim, shift, scale):
+    def reduced(prep, g, dim, shift, scale, rows):
         """This worker's mean shard of gradient ``g`` (split along ``dim``), with the new memory
         and shift of ``feedback``; ``prep`` is :func:`prepared`'s, ``scale`` the agreed scale
-        of a summable compressor (``None``: agreed in the reduce-scatter)."""
+        of a summable compressor (``None``: agreed in the reduce-scatter), ``rows`` the leaf's
+        own rows if it is padded (the padding's decodes are set to zero: a sign is not)."""
         if dim is None:
             g = g if fast is None else hpz.fast_summed(g, fast)
             record("replicated_mean", g, "all_reduce", slow)
             return collectives.psum(g, slow) / n, None, None
         x, key, moved, memory, shard_shape = prep
-
-        def to_shard(flat):
-            return jnp.moveaxis(flat.reshape(shard_shape), 0, dim)
-
         sent = compressed_reduce_scatter(comp, key, x, slow, scale)
+        mean = jnp.moveaxis(sent.mean.reshape(shard_shape), 0, dim)
+        shard = owned_part(mean, dim, rows, shard_axes)
+        # What this worker sent: the leaf (flat) or its host's 1/L of it (a pair).
+        first = 0 if fast is None else worker_index(fast) * x.shape[0]
+        local = without_padding(sent.local, first, rows)
         if feedback is None:
-            return to_shard(sent.mean), None, None
+            return shard, None, None
         if feedback == "ef":
             target = moved + memory
-            return to_shard(sent.mean), jnp.moveaxis(target - sent.local, 0, dim), None
-        new_memory = jnp.moveaxis(memory + sent.local, 0, dim)
-        new_shift = shift + to_shard(sent.mean).astype(shift.dtype)
+            return shard, jnp.moveaxis(target - local, 0, dim), None
+        new_memory = jnp.moveaxis(memory + local, 0, dim)
+        new_shift = shift + shard.astype(shift.dtype)
         return new_shift.astype(g.dtype), new_memory, new_shift
 
     def gather_one(x, dim):
@@ -309,9 +294,9 @@ def fsdp(
         for j, i in enumerate(sent):
             scales[i] = None if agreed is None else agreed[j]
         shards, new_memories, new_shifts = [], [], []
-        rows = zip(preps, leaves, dim_list, memories, shifts, scales, strict=True)
-        for p, g, dim, e, h, c in rows:
-            shard, new_e, new_h = reduced(p, g, dim, h, c)
+        rows = zip(preps, leaves, dim_list, memories, shifts, scales, own_rows, strict=True)
+        for p, g, dim, e, h, c, r in rows:
+            shard, new_e, new_h = reduced(p, g, dim, h, c, r)
             shards.append(shard)
             if e is not None:
                 new_memories.append(new_e.astype(e.dtype)[None])
@@ -321,8 +306,10 @@ def fsdp(
 
     def local_step(p, state, *batch):
         full = gather_all(p)
-        # The backward pass reuses the gathered ``full``: nothing is gathered again.
-        loss, grads = jax.value_and_grad(loss_fn)(worker_params(full, names), *batch)
+        # The backward pass reuses the gathered ``full``: nothing is gathered again.  The loss
+        # sees the params' own shapes; the padding's gradient is zero.
+        on_own = lambda f, *b: loss_fn(own_shapes(f, treedef, leaf_shapes, dim_list), *b)  # noqa: E731
+        loss, grads = jax.value_and_grad(on_own)(worker_params(full, names), *batch)
         check_local_loss(loss, names)  # a pmean inside loss_fn would make the step 1/n
         shards, key, memory, shift, check = reduce_all(grads, state)
         # One decision for every worker (an 8-bit pmax): skip the step if any worker's gradient,
@@ -332,10 +319,14 @@ def fsdp(
             bad = any_worker(check.local | ~all_finite(floats), names)
         grad_shards = jax.tree.unflatten(jax.tree.structure(grads), shards)
         updates, opt_state = opt.update(grad_shards, state.opt_state, p)
+        # The padding's updates are zero (float16 Adam divides 0 by 0 where a gradient is 0).
+        updates = zip(treedef.flatten_up_to(updates), dim_list, own_rows, strict=True)
+        updates = treedef.unflatten([owned_part(*a, shard_axes) for a in updates])
         new_params = optax.apply_updates(p, updates)
         new = (new_params, FSDPState(opt_state, key, memory, shift))
         kept = jax.tree.map(lambda a, b: jnp.where(bad, b, a), new, (p, state))
-        return *kept, jax.lax.pmean(loss, names)
+        # A skipped step shows in the loss (its value may be finite: a sum that overflowed).
+        return *kept, jnp.where(bad, jnp.nan, jax.lax.pmean(loss, names)).astype(loss.dtype)
 
     def exchange(p):
         """One step's messages, in a worker's view: its shards ``p`` gathered, and a gradient
@@ -346,6 +337,8 @@ def fsdp(
 
     explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
 
+    named = lambda s: jax.NamedSharding(mesh, s)  # noqa: E731
+
     def placed(tree, spec_tree):
         """``tree`` resharded to ``spec_tree`` on ``mesh`` (whatever sharding it came with):
         ``jax.reshard`` on an explicit-sharding mesh, a sharding constraint on any other."""
@@ -354,7 +347,22 @@ def fsdp(
             lambda x, s: move(x, jax.NamedSharding(mesh, s)), tree, spec_tree, is_leaf=is_spec
         )
 
+    def stored(p):
+        """``p`` (the params' own shapes or their stored ones) in the stored shapes."""
+        return to_stored(p, treedef, leaf_shapes, dim_list, stored_shapes)
+
+    def shard(p):
+        return placed(stored(p), param_specs)
+
+    def unpad(p):
+        """Stored params in their own shapes (a padded leaf replicated first: a JAX array
+        cannot be split unevenly)."""
+        spec_list = jax.tree.leaves(param_specs, is_leaf=is_spec)
+        kept = [s if r is None else P() for s, r in zip(spec_list, own_rows, strict=True)]
+        return own_shapes(placed(p, treedef.unflatten(kept)), treedef, leaf_shapes, dim_list)
+
     def step(p, state, *batch):
+        p = stored(p)
         in_specs = (param_specs, specs, *[P(batch_axes)] * len(batch))
         mapped = jax.shard_map(
             local_step, mesh=mesh, in_specs=in_specs, out_specs=(param_specs, specs, P())
@@ -375,7 +383,7 @@ def fsdp(
 
     def init(p):
         mapped = jax.shard_map(local_init, mesh=mesh, in_specs=(param_specs,), out_specs=specs)
-        return mapped(placed(p, param_specs))
+        return mapped(shard(p))
 
     return FSDP(
         init=jax.jit(init),
@@ -383,4 +391,6 @@ def fsdp(
         param_specs=param_specs,
         specs=specs,
         exchange=exchange,
+        shard=jax.jit(stored, out_shardings=jax.tree.map(named, param_specs, is_leaf=is_spec)),
+        unpad=jax.jit(unpad),
     )

@@ -100,7 +100,7 @@ def main() -> None:
         if step % 50 == 0 or step == args.steps:
             print(f"step {step}: loss {float(loss):.3f}")
     x, y = teacher_batch(rng, teacher, 4096)
-    whole = jax.device_put(params, jax.NamedSharding(mesh, jax.P()))  # gathered, replicated
+    whole = jax.device_put(fs.unpad(params), jax.NamedSharding(mesh, jax.P()))  # replicated
     accuracy = np.mean(np.argmax(model.apply({"params": whole}, x), axis=1) == y)
     print(f"held-out accuracy {accuracy:.1%} (chance {1 / CLASSES:.0%})")
 

@@ -110,7 +110,7 @@ def main() -> None:
             print(f"step {step}: loss {float(loss):.3f}")
 
     # The trained parameters, gathered and replicated, back in the model's Variables.
-    nnx.update(model, jax.device_put(params, jax.NamedSharding(mesh, jax.P())))
+    nnx.update(model, jax.device_put(fs.unpad(params), jax.NamedSharding(mesh, jax.P())))
     x, y = teacher_batch(rng, teacher, 4096)
     accuracy = np.mean(np.argmax(model(x), axis=1) == y)
     print(f"held-out accuracy {accuracy:.1%} (chance {1 / CLASSES:.0%})")

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 
 import compjax
-from compjax.fsdp_layout import shard_dim
+from compjax.fsdp_layout import padded_shape, shard_dim
 from compjax.param_gather import dequantize_blocks, quantize_blocks
 
 P = jax.P
@@ -58,12 +58,14 @@ def trained(lossless):
     return params, state, value
 
 
-def test_layout_splits_the_largest_divisible_dimension_and_replicates_small_leaves():
+def test_layout_splits_the_largest_divisible_dimension_pads_others_replicates_small_leaves():
     assert shard_dim((16, 6), 8, 64) == 0
     assert shard_dim((6, 16), 8, 64) == 1
     assert shard_dim((24, 16), 8, 64) == 0  # both divisible: the largest
     assert shard_dim((16, 16), 8, 64) == 0  # a tie: the first
-    assert shard_dim((9, 10), 8, 64) is None  # none divisible
+    assert shard_dim((9, 10), 8, 64) == 1  # none divisible: the largest, padded
+    assert padded_shape((9, 10), 1, 8) == (9, 16)
+    assert shard_dim((13, 7), 8, 64) == 0 and padded_shape((13, 7), 0, 4) == (16, 7)
     assert shard_dim((8, 7), 8, 64) is None  # too small
     assert shard_dim((), 8, 1) is None
     assert shard_dim((16, 6), 1, 1) is None  # one worker splits nothing
