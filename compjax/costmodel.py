@@ -35,6 +35,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 
 #: Collectives by the bits one worker sends for a message of ``b`` bits per worker.
@@ -86,10 +87,10 @@ class Network:
     latency_us: float = 5.0
 
     def __post_init__(self):
-        if not self.bandwidth_gbps > 0:
-            raise ValueError(f"bandwidth_gbps must be > 0, got {self.bandwidth_gbps}")
-        if not self.latency_us >= 0:
-            raise ValueError(f"latency_us must be >= 0, got {self.latency_us}")
+        if not 0 < self.bandwidth_gbps < math.inf:
+            raise ValueError(f"bandwidth_gbps must be finite and > 0, got {self.bandwidth_gbps}")
+        if not 0 <= self.latency_us < math.inf:
+            raise ValueError(f"latency_us must be finite and >= 0, got {self.latency_us}")
 
     @property
     def alpha(self) -> float:

@@ -33,13 +33,13 @@ class Config:
       workers: data-parallel workers (devices of the mesh).
       steps: optimizer steps.
       seed: seeds the initialisation, the data split, the batches and the method.
-      lr: learning rate of the SGD that follows the exchange.
+      lr: learning rate of the SGD that follows the exchange (in (0, 1000]).
       momentum: its momentum (0: none; None: the task's).
       batch_size: examples per worker per step (0: the whole shard).
       eval_every: steps between evaluations (and the length of one jitted scan).
       checkpoint_every: steps between checkpoints (rounded up to ``eval_every``).
-      bandwidth_gbps: link bandwidth of the cost model.
-      latency_us: per-message latency of the cost model.
+      bandwidth_gbps: link bandwidth of the cost model (in (0, 1e6]).
+      latency_us: per-message latency of the cost model (in [0, 1e6]).
     """
 
     task: str = "digits_mlp"
@@ -131,6 +131,16 @@ RANGES = {
 }
 
 
+#: Bounds ``(low, high]`` of the float fields: beyond them a value is a typo, not a setting (a
+#: learning rate of 1e308 or Inf trains to NaN; a link of Inf Gbit/s makes every message free).
+FLOAT_RANGES = {
+    "lr": (0.0, 1e3),
+    "bandwidth_gbps": (0.0, 1e6),  # 1 Pbit/s
+}
+#: The largest ``latency_us`` (one second per message).
+LATENCY_US_MAX = 1e6
+
+
 def check_ranges(cfg: Config) -> None:
     """``ValueError`` naming the first field of a resolved config out of its range."""
     for name, (least, most) in RANGES.items():
@@ -138,10 +148,16 @@ def check_ranges(cfg: Config) -> None:
         if value < least or (most is not None and value > most):
             bound = f">= {least}" if most is None else f"in [{least}, {most}]"
             raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
-    if not cfg.lr > 0:
-        raise ValueError(f"lr must be > 0, got {cfg.lr}")
+    for name, (low, high) in FLOAT_RANGES.items():
+        value = getattr(cfg, name)
+        if not low < value <= high:  # NaN and Inf fail too
+            raise ValueError(f"{name} must be a finite number in ({low:g}, {high:g}], got {value}")
     if not 0 <= cfg.momentum < 1:
         raise ValueError(f"momentum must be in [0, 1), got {cfg.momentum}")
+    if not 0 <= cfg.latency_us <= LATENCY_US_MAX:
+        raise ValueError(
+            f"latency_us must be a finite number in [0, {LATENCY_US_MAX:g}], got {cfg.latency_us}"
+        )
     if cfg.workers > len(jax.devices()):
         raise ValueError(
             f"workers={cfg.workers} exceeds the {len(jax.devices())} devices; on a CPU set "

@@ -256,6 +256,19 @@ class _Parser(argparse.ArgumentParser):
         _fail(message)
 
 
+def _os_error(err: OSError, out: Path) -> str:
+    """An ``OSError`` of the run's files as one line, naming ``--out`` when it is under it."""
+    name = str(err.filename) if err.filename is not None else ""
+    what = f"{err.strerror or err}" + (f": {_short(name)}" if name else "")
+    if name.startswith(str(out)):
+        return f"--out {_short(str(out))}: cannot write the results there: {what}"
+    return what
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 120 else f"{text[:60]}...{text[-40:]} ({len(text)} characters)"
+
+
 def _read_config(file: Path) -> dict[str, Any]:
     """The Config fields in a JSON or TOML file; an unreadable or malformed file is one line."""
     try:
@@ -263,6 +276,8 @@ def _read_config(file: Path) -> dict[str, Any]:
         values = tomllib.loads(text) if file.suffix == ".toml" else json.loads(text)
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as err:
         _fail(f"--config {file}: {err}")
+    except RecursionError:  # a document nested deeper than the parser's recursion
+        _fail(f"--config {file}: nested too deeply to be a config (an object of Config fields)")
     if not isinstance(values, dict):
         _fail(f"--config {file}: expected an object of Config fields, got {type(values).__name__}")
     unknown = set(values) - set(field_types())
@@ -312,12 +327,14 @@ def main(argv: Sequence[str] | None = None) -> Run:
         resolved = cfg.resolved()
     except (TypeError, ValueError) as err:  # Config.resolved's checks, each naming the field
         _fail(str(err))
-    path = resolved.run_dir(Path(args.out))
-    finished = not args.fresh and (path / "summary.json").exists()
     try:
+        path = resolved.run_dir(Path(args.out))
+        finished = not args.fresh and (path / "summary.json").exists()
         result = run(cfg, args.out, fresh=args.fresh, progress=not args.no_progress)
     except ConfigError as err:
         _fail(str(err))
+    except OSError as err:  # --out too long, under a file, read-only, full
+        _fail(_os_error(err, Path(args.out)))
     except KeyboardInterrupt:
         every = max(resolved.checkpoint_every, resolved.eval_every)
         print(

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,6 +118,90 @@ def test_a_bad_file_or_flag_is_one_line(args, message, tmp_path, capsys):
 def test_a_bad_method_argument_is_one_line(method, message, tmp_path, capsys):
     err = _cli_error(["--task", "logreg", "--method", method], tmp_path, capsys)
     assert message in err and method in err
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("lr", math.inf), ("lr", 1e308), ("lr", math.nan), ("bandwidth_gbps", math.inf),
+     ("bandwidth_gbps", 1e308), ("latency_us", math.inf), ("latency_us", 1e308)],
+)  # fmt: skip
+def test_non_finite_and_absurd_floats_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"^{field} must be a finite number in "):
+        dataclasses.replace(train.Config(task="logreg"), **{field: value}).resolved()
+
+
+def test_the_float_bounds_admit_the_tasks_and_reasonable_settings():
+    for name in ("logreg", "digits_mlp"):
+        assert train.Config(task=name, lr=1000.0, bandwidth_gbps=1e6, latency_us=1e6).resolved()
+    with pytest.raises(ValueError, match=r"^lr must be a finite number in \(0, 1000\]"):
+        train.Config(task="logreg", lr=1000.5).resolved()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--lr", "inf"], "error: lr must be a finite number in (0, 1000], got inf"),
+        (["--lr", "1e308"], "error: lr must be a finite number in (0, 1000], got 1e+308"),
+        (["--bandwidth-gbps", "Infinity"], "error: bandwidth_gbps must be a finite number"),
+    ],
+)
+def test_cli_non_finite_and_absurd_floats_are_one_line(args, message, tmp_path, capsys):
+    assert message in _cli_error(["--task", "logreg", *args], tmp_path, capsys)
+
+
+def test_a_config_file_infinity_is_one_line(tmp_path, capsys):
+    file = tmp_path / "run.json"
+    file.write_text('{"task": "logreg", "lr": Infinity}')  # json.loads reads it as inf
+    assert "lr must be a finite number" in _cli_error(["--config", str(file)], tmp_path, capsys)
+
+
+DEPTH = 100_000
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("lists.json", "[" * DEPTH + "]" * DEPTH),
+        ("dicts.json", '{"a":' * DEPTH + "1" + "}" * DEPTH),
+        ("lists.toml", "a = " + "[" * DEPTH + "]" * DEPTH),
+        ("dicts.toml", "a = " + "{b = " * DEPTH + "1" + "}" * DEPTH),
+    ],
+)
+def test_a_config_nested_too_deeply_is_one_line(name, text, tmp_path, capsys):
+    file = tmp_path / name
+    file.write_text(text)
+    assert "nested too deeply" in _cli_error(["--config", str(file)], tmp_path, capsys)
+
+
+def _out_error(out: str, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--task", "logreg", "--steps", "1", "--workers", "2", "--out", out,
+                    "--no-progress"])  # fmt: skip
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("make_out", "message"),
+    [
+        (lambda tmp: str(tmp / ("a" * 256)), "File name too long"),  # one component > 255
+        (lambda tmp: str(tmp / "/".join(["b" * 200] * 25)), "File name too long"),  # > 4096
+        (lambda tmp: str(tmp / "file" / "sub"), "Not a directory"),  # under a regular file
+        (lambda tmp: "/proc/compjax-results", "cannot write the results there"),  # root too
+    ],
+    ids=["component-over-255", "path-over-4096", "under-a-file", "unwritable"],
+)
+def test_an_out_directory_that_cannot_be_written_is_one_line(make_out, message, tmp_path, capsys):
+    if not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc")
+    (tmp_path / "file").write_text("not a directory")
+    out = make_out(tmp_path)
+    err = _out_error(out, capsys)
+    assert message in err and "--out " in err
+    assert len(err) < 400  # a long path is shortened, not printed whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
 
 
 def test_an_error_found_when_the_run_is_built_writes_nothing(tmp_path, capsys):
