@@ -52,8 +52,8 @@ class FSDP(NamedTuple):
         :func:`compjax.communication` traces to count them.
       shard: ``shard(params) -> params`` (jitted): the params in their stored
         shapes (padded leaves padded with zeros), sharded as ``param_specs``
-        say, what ``step`` returns; ``jax.eval_shape(fs.shard, params)`` is a
-        restore target.
+        say, what ``step`` returns (with ``init(params)``, an orbax restore
+        target for this mesh).
       unpad: ``unpad(params) -> params`` (jitted): stored params in their
         own shapes, the padding cut off (a padded leaf comes back
         replicated; the others as they are).
