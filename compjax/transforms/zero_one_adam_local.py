@@ -42,7 +42,7 @@ rounding (the scaled sign is positively homogeneous).
 The per-worker layout of :func:`compjax.diloco`: the params of ``update``
 are each worker's own (stacked on a leading worker axis outside the map,
 :func:`compjax.worker_copies`); the state holds the global params ``theta``
-(the params at the last synchronisation, float32 or wider; read them with
+(the params at the last synchronisation, in float32; read them with
 :func:`compjax.global_params`), the momentum ``m`` the workers agree on,
 the variance and the counters (all shared), and each worker's own momentum,
 accumulator and error buffers (per worker).  After a synchronisation
@@ -81,6 +81,7 @@ from compjax.exchange import Exchange, as_exchange
 from compjax.transforms.base import (
     Leaves,
     ServerMemory,
+    all_finite,
     any_non_finite,
     cast_like,
     check_grouping,
@@ -96,12 +97,13 @@ from compjax.transforms.compressed_adam import (
     dense_moments,
     momenta,
 )
+from compjax.transforms.per_worker_params import check_params_dtype
 from compjax.transforms.zero_one_adam_schedule import offset
 
 
 class ZeroOneAdamLocalState(NamedTuple):
     """State of 0/1 Adam with local rounds (:func:`compjax.zero_one_adam` with
-    ``local_step_clipper > 1``); moments, buffers and ``theta`` in float32 (or wider).
+    ``local_step_clipper > 1``); moments, buffers and ``theta`` in float32.
 
     Attributes:
       count: steps taken (int32, shared).
@@ -188,10 +190,25 @@ def local_zero_one_adam(
     with ``local_step_clipper = 1`` it synchronises every step and follows
     the synchronising 0/1 Adam (to float32 rounding at a constant rate).
 
+    Communication: the 1-bit round travels on the steps that synchronise
+    (``lax.switch``); every step reduces the 8-bit non-finite flag.
+    :func:`compjax.communication` reports one synchronising step, as for
+    :func:`compjax.diloco`; :func:`compjax.transforms.zero_one_adam_schedule.mean_bits_per_step`
+    averages it over the schedule.
+
+    Non-finite input: if any worker's gradient holds an Inf or NaN, or the
+    step would leave a non-finite value in the state or in the updates as
+    returned (in the wider of each gradient's and param's dtypes: ``lr m /
+    eps`` where the variance froze at 0 overflows float16), every worker gets
+    NaN updates and the whole state is kept, ``theta``, the momenta, the
+    accumulators and the memories included; :func:`compjax.local_steps`
+    then keeps the params.
+
     Args:
       learning_rate: a float (>= 0) or an optax schedule of the step count.
-      axis_name, var_freeze_step, var_update_scaler, b1, b2, eps, comp,
-        exchange, flatten, bucket_size, seed, schedule: as
+      axis_name, var_freeze_step, var_update_scaler, b1, b2, eps: as
+        :func:`compjax.scale_by_zero_one_adam`.
+      comp, exchange, flatten, bucket_size, seed, schedule: as
         :func:`compjax.scale_by_zero_one_adam`.
       local_step_scaler: frozen steps between doublings of the local
         interval (DeepSpeed's default 32678).
@@ -203,22 +220,12 @@ def local_zero_one_adam(
       own.  The updates are in the wider of each gradient's and param's
       dtypes.
 
-    Communication: the 1-bit round travels on the steps that synchronise
-    (``lax.switch``); every step reduces the 8-bit non-finite flag.
-    :func:`compjax.communication` reports one synchronising step, as for
-    :func:`compjax.diloco`; :func:`compjax.transforms.zero_one_adam_schedule.mean_bits_per_step`
-    averages it over the schedule.
-
-    Non-finite input: if any worker's gradient holds an Inf or NaN (or the
-    step would leave a non-finite value), every worker gets NaN updates and
-    the whole state is kept, ``theta``, the momenta, the accumulators and
-    the memories included; :func:`compjax.local_steps` then keeps the params.
-
     Raises:
       ValueError: as :func:`compjax.scale_by_zero_one_adam`; ``learning_rate``
         a negative or non-finite number; ``local_step_scaler`` or
-        ``local_step_clipper`` not an integer >= 1; at ``update``, ``params``
-        missing.
+        ``local_step_clipper`` not an integer >= 1; at ``init``, float64
+        params (``jax_enable_x64``: cast them to float32 first); at
+        ``update``, ``params`` missing.
 
     References:
       Lu et al., "Maximizing Communication Efficiency for Large-scale
@@ -240,6 +247,7 @@ def local_zero_one_adam(
         return jnp.zeros(a.shape, jnp.float32)
 
     def init_fn(params):
+        check_params_dtype(params, "zero_one_adam with local_step_clipper > 1")
         leaves = Leaves(params, flatten, bucket_size)
         one, zero = jnp.ones([], jnp.int32), jnp.zeros([], jnp.int32)
         return ZeroOneAdamLocalState(
@@ -371,14 +379,21 @@ def local_zero_one_adam(
             server_error=server.write(leaves, memories, old_memories),
             key=key,
         )
-        out, new_state = guarded(bad, out, new_state, state)
-        # In the wider of each gradient's and param's dtypes: a synchronisation's update to
-        # float32 params is not rounded to a bfloat16 gradient's precision.
-        return jax.tree.map(
-            lambda o, g, p: o.astype(jnp.promote_types(g.dtype, p.dtype)),
-            own.rebuild(out),
-            updates,
-            params,
-        ), new_state
+
+        def returned(out):
+            # In the wider of each gradient's and param's dtypes: a synchronisation's update to
+            # float32 params is not rounded to a bfloat16 gradient's precision.
+            return jax.tree.map(
+                lambda o, g, p: o.astype(jnp.promote_types(g.dtype, p.dtype)),
+                own.rebuild(out),
+                updates,
+                params,
+            )
+
+        # Finite as returned: a float32 step beyond a float16 param's range (lr m / eps where
+        # the variance froze at 0) refuses the step, as a non-finite float32 one does.
+        finite = all_finite(jax.tree.leaves(returned(out)))
+        out, new_state = guarded(bad, out, new_state, state, finite=[finite] * len(out))
+        return returned(out), new_state
 
     return optax.GradientTransformation(init_fn, counted(update_fn))
