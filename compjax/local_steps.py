@@ -16,11 +16,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from compjax.collectives import check_local_loss, num_workers, psum
 from compjax.transforms.base import all_finite, state_specs
 from compjax.transforms.diloco import worker_copies
+from compjax.transforms.per_worker_params import check_params_dtype
 
 
 class LocalSteps(NamedTuple):
@@ -41,6 +43,10 @@ def local_steps(
 ) -> LocalSteps:
     """Build jitted ``init`` and ``step`` for an optimizer over per-worker params.
 
+    A step whose updates are not finite (a compjax optimizer refuses a step
+    on every worker alike when any worker's gradient holds an Inf or NaN)
+    keeps the params, so training goes on.
+
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar``, the mean loss of the
         batch it is given (each worker is given its own shard), not reduced
@@ -48,28 +54,36 @@ def local_steps(
       opt: an optimizer of per-worker params over ``axis_name``, e.g.
         ``compjax.diloco(optax.adamw(1e-3), optax.sgd(0.7, momentum=0.9,
         nesterov=True), 100, "data")``.
-      params: the parameters (arrays or ``jax.ShapeDtypeStruct``), replicated.
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``), replicated;
+        float32, bfloat16 or float16.
       mesh: the device mesh; every batch array is split along its first axis
         over ``axis_name`` (its size a multiple of the number of workers).
       axis_name: the data-parallel mesh axis.
 
-    A step whose updates are not finite (a compjax optimizer refuses a step
-    on every worker alike when any worker's gradient holds an Inf or NaN)
-    keeps the params, so training goes on.
-
     Returns:
       :class:`LocalSteps`.  ``init(params)`` returns the workers' copies
       (stacked on a leading axis split over ``axis_name``) and the state;
-      ``step`` returns the new copies, the new state and the loss averaged
-      over the workers.  :func:`compjax.global_params` reads the global
-      params back from the state.
+      ``step(local, opt_state, *batch)`` takes those copies (or
+      :func:`compjax.worker_copies` of the params) and returns the new
+      copies, the new state and the loss averaged over the workers.
+      :func:`compjax.global_params` reads the global params back from the
+      state.
 
     Raises:
-      ValueError: ``axis_name`` is not an axis of ``mesh``; or, at the first
-        ``step``, ``loss_fn``'s value does not vary over ``axis_name``.
+      ValueError: ``axis_name`` is not an axis of ``mesh``; ``params`` (or
+        those given to ``init``) hold a float64 leaf (``jax_enable_x64``:
+        cast the params to float32 first); ``init`` is given params of
+        other shapes than ``params``; ``step`` is given ``local`` that are
+        not the workers' copies (each leaf with a leading worker axis of
+        the size of ``axis_name``); or, at the first ``step``,
+        ``loss_fn``'s value does not vary over ``axis_name``.
     """
     if axis_name not in mesh.axis_names:
         raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    check_params_dtype(params, "local_steps", "local_steps and init")
+    workers = mesh.shape[axis_name]
+    shapes = [tuple(np.shape(p)) for p in jax.tree.leaves(params)]
+    structure = jax.tree.structure(params)
     P = jax.P
     specs = state_specs(jax.eval_shape(opt.init, params), axis_name)
     split = P(axis_name)
@@ -97,7 +111,27 @@ def local_steps(
             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
         )
 
+    def check_copies(local):
+        """``local`` must be the workers' copies: each leaf ``(workers, *shape)``."""
+        got, tree = jax.tree_util.tree_flatten_with_path(local)
+        advice = (
+            f"step(local, opt_state, *batch) takes the workers' copies, every leaf stacked on "
+            f"a leading worker axis of size {workers} (the mesh axis {axis_name!r}): the "
+            f"copies init(params) returns, or compjax.worker_copies(params, {workers})"
+        )
+        if tree != structure:
+            raise ValueError(f"{advice}; got a tree of structure {tree}, not {structure}")
+        for (path, leaf), shape in zip(got, shapes, strict=True):
+            got_shape = tuple(np.shape(leaf))
+            if got_shape != (workers, *shape):
+                unstacked = " (the replicated params' own shape)" if got_shape == shape else ""
+                raise ValueError(
+                    f"{advice}; got local{jax.tree_util.keystr(path)} of shape {got_shape}"
+                    f"{unstacked} where {(workers, *shape)} is needed"
+                )
+
     def step(local, state, *batch):
+        check_copies(local)
         mapped = jax.shard_map(
             local_step,
             mesh=mesh,
@@ -108,6 +142,13 @@ def local_steps(
         return mapped(placed(local, split), placed_specs(state, specs), *batch)
 
     def init(p):
+        check_params_dtype(p, "local_steps: init", "local_steps and init")
+        given = [tuple(np.shape(a)) for a in jax.tree.leaves(p)]
+        if jax.tree.structure(p) != structure or given != shapes:
+            raise ValueError(
+                f"local_steps: init takes the replicated params local_steps was built for, "
+                f"of leaf shapes {shapes}; got {given} (init stacks them per worker itself)"
+            )
         p = placed(p, P())
         mapped = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
         return placed(worker_copies(p, mesh.shape[axis_name]), split), mapped(p)

@@ -513,6 +513,40 @@ def test_streaming_bad_arguments_are_refused():
         compjax.streaming_diloco(sgd, sgd, 2, "data", fragments=3).init(P0)
 
 
+@pytest.mark.parametrize("compressor", [None, compjax.int_quant(bits=8)], ids=["exact", "int8"])
+def test_streaming_bits_per_step_split_the_report_over_the_round(compressor):
+    """communication() of Streaming DiLoCo is DiLoCo's (every fragment once, one flag); the
+    per-fragment reports add up to it, and bits_per_step puts each fragment on its step."""
+    from compjax.transforms.streaming_diloco import bits_per_step, fragment_leaves
+
+    sgd = optax.sgd(1.0)
+    streaming = compjax.streaming_diloco(sgd, sgd, 4, "data", fragments=2, compressor=compressor)
+    diloco = compjax.diloco(sgd, sgd, 4, "data", compressor=compressor)
+    report = compjax.communication(streaming, P0, "data", num_workers=N)
+    assert report == compjax.communication(diloco, P0, "data", num_workers=N)
+    b, w = fragment_leaves(P0, 2)  # tree order: the bias, then the kernel
+    assert [a.shape for a in b] == [(2,)] and [a.shape for a in w] == [(3, 2)]
+    reports = [compjax.communication(diloco, f, "data", num_workers=N) for f in (b, w)]
+    flag = 2 * (N - 1) / N * 8  # the 8-bit flag on a ring all-reduce
+    assert [m for m in report.messages if m[0] == "flag"] == [("flag", flag)]
+    assert report.messages == reports[0].messages + reports[1].messages[1:]
+    sent = [r.bits_per_worker - flag for r in reports]
+    if compressor is None:  # float32 on a ring all-reduce: 2 (n - 1) / n of 32 bits an entry
+        assert sent == [2 * 3 / 4 * 32 * 2, 2 * 3 / 4 * 32 * 6]
+    steps = bits_per_step(reports, 4)
+    # H = 4, F = 2: the bias on steps 2, 6, ..., the kernel on steps 4, 8, ...
+    assert steps == [flag, flag + sent[0], flag, flag + sent[1]]
+    assert np.mean(steps) == (report.bits_per_worker - flag) / 4 + flag
+    # One fragment is DiLoCo: its round's last step sends the whole report.
+    assert bits_per_step(reports[:1], 1) == [reports[0].bits_per_worker]
+    with pytest.raises(ValueError, match="sync_every"):
+        bits_per_step(reports, 0)
+    with pytest.raises(ValueError, match="one report per fragment"):
+        bits_per_step([], 4)
+    with pytest.raises(ValueError, match="3 fragments"):
+        fragment_leaves(P0, 3)
+
+
 def test_local_steps_builder_skips_a_refused_step():
     built = built_local_steps()
     params, state = built.init(P0)

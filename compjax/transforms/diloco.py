@@ -22,8 +22,8 @@ replicated params (``in_specs=P()`` under ``shard_map``, the same params in
 every lane under ``vmap``/``pmap``).
 
 Memory per worker, for ``P`` parameters: the local params (``P``, their
-dtype), the inner state (``2P`` for Adam), the global params (``P``, float32
-or the params' dtype where wider), the outer state (``P`` for momentum),
+dtype), the inner state (``2P`` for Adam), the global params (``P``,
+float32), the outer state (``P`` for momentum),
 and with error feedback the error memory (``P``, float32; another ``P`` for
 a biased compressor over ``"scatter_gather"``): ``5P`` floats for inner
 AdamW and outer Nesterov (``6P`` with a biased compressor), against ``3P``
@@ -61,6 +61,7 @@ from compjax.transforms.base import (
     state_zeros,
     step_keys,
 )
+from compjax.transforms.per_worker_params import check_params_dtype
 from compjax.transforms.streaming_diloco import StreamingDiLoCoState
 from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
@@ -72,8 +73,9 @@ class DiLoCoState(NamedTuple):
       count: inner steps taken (int32), shared; a round ends after every
         ``sync_every``-th.
       key: shared PRNG key (raw uint32) of the compressor.
-      global_params: the global params ``theta``, shared, in float32 (or the
-        params' dtype where wider).
+      global_params: the global params ``theta``, shared, in float32 (the
+        params are float32, bfloat16 or float16; float64 is refused at
+        ``init``).
       outer_state: the outer optimizer's state, shared.
       inner_state: each worker's inner optimizer state, every leaf with a
         leading axis of size 1.
@@ -174,7 +176,8 @@ def diloco(
       ValueError: ``sync_every`` is not a positive integer, ``exchange`` is
         unknown, ``error_feedback=True`` without a compressor, or
         ``error_decay`` outside ``[0, 1]`` or below 1 without an error
-        memory; at ``update``, ``params`` missing.
+        memory; at ``init``, float64 params (``jax_enable_x64``: cast them
+        to float32 first); at ``update``, ``params`` missing.
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
@@ -196,6 +199,7 @@ def diloco(
     fill = state_zeros(None)
 
     def init_fn(params):
+        check_params_dtype(params, "diloco")
         leaves = Leaves(params, flatten=False)
         theta = leaves.rebuild([a.astype(fill(a).dtype) for a in leaves.arrays])
         return DiLoCoState(
@@ -302,8 +306,8 @@ def global_params(opt_state: Any, stacked: bool = False) -> Any:
     :func:`compjax.streaming_diloco`, or 0/1 Adam's local rounds) state inside ``opt_state``.
 
     After a round's last step they are the synchronised params every worker
-    restarts from: evaluate or export these.  They are kept in float32 (or
-    the params' dtype where wider).
+    restarts from: evaluate or export these.  They are kept in float32,
+    whatever the params' dtype (float32, bfloat16 or float16).
 
     Args:
       opt_state: an optimizer state holding one :class:`compjax.DiLoCoState`,

@@ -28,7 +28,8 @@ References:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +50,10 @@ from compjax.transforms.base import (
     state_zeros,
     step_keys,
 )
+from compjax.transforms.per_worker_params import check_params_dtype
+
+if TYPE_CHECKING:
+    from compjax.accounting import CommunicationReport
 
 
 class StreamingDiLoCoState(NamedTuple):
@@ -57,8 +62,8 @@ class StreamingDiLoCoState(NamedTuple):
     Attributes:
       count: inner steps taken (int32), shared.
       key: shared PRNG key (raw uint32) of the compressor.
-      global_params: the global params ``theta``, shared, in float32 (or the
-        params' dtype where wider); a fragment's leaves hold the result of
+      global_params: the global params ``theta``, shared, in float32 (the
+        params are float32, bfloat16 or float16); a fragment's leaves hold the result of
         its latest outer step.
       outer_state: one outer optimizer state per fragment (a tuple), shared.
       inner_state: each worker's inner optimizer state, every leaf with a
@@ -98,6 +103,62 @@ def sync_offsets(sync_every: int, fragments: int) -> list[int]:
     return [((p + 1) * sync_every // fragments) % sync_every for p in range(fragments)]
 
 
+def fragment_leaves(params: Any, fragments: int) -> list[list[Any]]:
+    """Each fragment's leaves of ``params``, in tree order (fragment ``p`` at index ``p``).
+
+    ``compjax.communication(compjax.diloco(inner, outer, sync_every,
+    axis_name, compressor, exchange), fragment_leaves(params, F)[p], ...)``
+    is what a step that sends fragment ``p`` sends: its messages and the
+    8-bit flag (the outer step sends nothing; tested against the report of
+    :func:`streaming_diloco`).
+
+    Raises:
+      ValueError: fewer leaves than fragments, or ``fragments`` < 1.
+    """
+    _check_int("fragments", fragments, 1)
+    leaves = jax.tree.leaves(params)
+    owner = fragment_of(len(leaves), fragments)
+    return [[a for a, o in zip(leaves, owner, strict=True) if o == p] for p in range(fragments)]
+
+
+def bits_per_step(reports: Sequence[CommunicationReport], sync_every: int) -> list[float]:
+    """Bits leaving one worker on each step ``t = 1, ..., H`` of a round of Streaming DiLoCo.
+
+    :func:`compjax.communication` of :func:`streaming_diloco` lists every
+    fragment's messages once, with one flag: the messages of a whole round
+    (``H`` steps), which no single step sends when ``F > 1``.  This splits
+    them over the round: every step sends the 8-bit flag, and the steps with
+    ``t mod H = t_p`` also send fragment ``p``'s messages (several
+    fragments share a step only when ``F > H``).  ``max`` of the result is
+    the peak a link must carry, its mean the bits per step averaged over a
+    round (equal to ``(bits - flag) / H + flag`` of the whole report).
+
+    Args:
+      reports: one per fragment, in order: :func:`compjax.communication` of
+        :func:`compjax.diloco` (the same compressor and exchange) on that
+        fragment's leaves (:func:`fragment_leaves`); each includes the flag.
+      sync_every: ``H``.
+
+    Returns:
+      ``H`` floats, the bits of the steps ``t = 1, ..., H`` (step ``H``
+      ends a round of the last fragment).
+
+    Raises:
+      ValueError: ``reports`` empty, or ``sync_every`` not an integer >= 1.
+    """
+    _check_int("sync_every", sync_every, 1)
+    if not reports:
+        raise ValueError("reports must hold one report per fragment, got none")
+
+    def flag(report):
+        return sum(b for kind, b in report.messages if kind == "flag")
+
+    steps = [float(flag(reports[0]))] * sync_every
+    for report, t_p in zip(reports, sync_offsets(sync_every, len(reports)), strict=True):
+        steps[(t_p - 1) % sync_every] += report.bits_per_worker - flag(report)
+    return steps
+
+
 def _check_int(name: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -130,11 +191,16 @@ def streaming_diloco(
     the float32 rounding of the additive update.  Other steps return the
     inner update.
 
-    Communication, non-finite input (NaN updates on every worker and the
-    whole state kept) and the memory per worker are :func:`compjax.diloco`'s;
-    each fragment's exchange runs only on its own steps (``lax.cond``), so
-    :func:`compjax.communication` lists every fragment's messages, each sent
-    once every ``sync_every`` steps.
+    Non-finite input (NaN updates on every worker and the whole state kept)
+    and the memory per worker are :func:`compjax.diloco`'s.  Communication:
+    each fragment's exchange runs only on its own steps (``lax.cond``), and
+    every step reduces the 8-bit non-finite flag.
+    :func:`compjax.communication` reports the flag and every fragment's
+    messages once: the messages of a whole round of ``sync_every`` steps,
+    the same as :func:`compjax.diloco`'s report, which with ``fragments >
+    1`` no single step sends.  :func:`bits_per_step` splits it into the
+    bits of each step of a round (its maximum the peak, its mean the
+    average per step).
 
     Args:
       inner: the inner optimizer (per-worker state).
@@ -160,7 +226,8 @@ def streaming_diloco(
 
     Raises:
       ValueError: an argument out of range, ``error_feedback=True`` without
-        a compressor; at ``init``, fewer leaves than fragments; at
+        a compressor; at ``init``, fewer leaves than fragments or float64
+        params (``jax_enable_x64``: cast them to float32 first); at
         ``update``, ``params`` missing.
 
     References:
@@ -191,6 +258,7 @@ def streaming_diloco(
         return [[i for i in range(num_leaves) if owner[i] == p] for p in range(fragments)]
 
     def init_fn(params):
+        check_params_dtype(params, "streaming_diloco")
         leaves = Leaves(params, flatten=False)
         theta = [a.astype(fill(a).dtype) for a in leaves.arrays]
         return StreamingDiLoCoState(
