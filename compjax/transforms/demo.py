@@ -243,8 +243,9 @@ def scale_by_demo(
       sign: return the sign of the decoded components (the reference), or
         their plain mean over the workers.
       state_dtype: dtype of ``delta`` (see :mod:`compjax.transforms.base`):
-        ``None`` keeps it in float32 (or the parameters' dtype where wider)
-        even for bfloat16 gradients.
+        ``None`` keeps it in float32 for float32, bfloat16 and float16 params
+        (float64 for float64 params under ``jax_enable_x64``, whose gradients
+        must still be at most float32).
 
     Returns:
       An ``optax.GradientTransformation`` with :class:`DeMoState`.

@@ -240,9 +240,10 @@ def dgc(
         :mod:`compjax.exchange`).  Small leaves are all-reduced dense on
         every exchange.
       state_dtype: dtype of ``u``, ``v`` and the server memories (see
-        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
-        the parameters' dtype where wider) even for bfloat16/float16
-        gradients; messages and updates keep the gradient's dtype.
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 for
+        float32, bfloat16 and float16 params (float64 for float64 params
+        under ``jax_enable_x64``, whose gradients must still be at most
+        float32); messages and updates keep the gradient's dtype.
 
     Raises:
       ValueError: a parameter outside its range or an invalid

@@ -79,9 +79,10 @@ def error_feedback(
         then keeps the shard owners' error memory in ``server_error``) or
         :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
       state_dtype: dtype of the persistent state (see
-        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 (or the
-        parameters' dtype where wider) even for bfloat16/float16 gradients;
-        messages and updates keep the gradient's dtype.
+        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 for
+        float32, bfloat16 and float16 params (float64 for float64 params
+        under ``jax_enable_x64``, whose gradients must still be at most
+        float32); messages and updates keep the gradient's dtype.
 
     Raises:
       ValueError: ``bucket_size`` or ``state_dtype`` invalid.

@@ -72,9 +72,10 @@ def sign_majority_vote(
         entries (one message and one scale per bucket) instead of leaf by
         leaf; ``None``: per leaf.
       state_dtype: dtype of Signum's momenta (see
-        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
-        the parameters' dtype where wider) even for bfloat16/float16
-        gradients; the vote is returned in the gradient's dtype.
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 for
+        float32, bfloat16 and float16 params (float64 for float64 params
+        under ``jax_enable_x64``, whose gradients must still be at most
+        float32); the vote is returned in the gradient's dtype.
 
     Raises:
       ValueError: ``momentum`` outside ``[0, 1)``, an unknown ``via`` or an

@@ -99,8 +99,10 @@ def strom_threshold(
         fraction in ``(0, 1]`` of the entries (``max(1, round(budget d))``).
       flatten: one message for the whole tree instead of one per leaf.
       state_dtype: dtype of the accumulators (see
-        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
-        the parameters' dtype where wider); messages are the same either way.
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 for
+        float32, bfloat16 and float16 params (float64 for float64 params
+        under ``jax_enable_x64``, whose gradients must still be at most
+        float32); messages are the same either way.
 
     Raises:
       ValueError: ``tau``, ``budget`` or ``state_dtype`` invalid.
