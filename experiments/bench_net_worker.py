@@ -327,12 +327,7 @@ def build_fsdp(
         min_size=FSDP_MIN_SIZE,
         **method.fsdp(),
     )
-    shardings = jax.tree.map(
-        lambda s: jax.NamedSharding(mesh, s),
-        fs.param_specs,
-        is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-    )
-    params = jax.jit(lambda p: p, out_shardings=shardings)(replicated(host_params, mesh))
+    params = fs.shard(replicated(host_params, mesh))  # a padded leaf in its padded shape
     state = fs.init(params)
     start = time.perf_counter()
     compiled = fs.step.lower(params, state, batches[0]).compile()
