@@ -155,6 +155,32 @@ def test_a_padded_leaf_on_a_hosts_local_mesh_is_pooled_adam():
     assert report.fast_gather_bits == 3 * 4 * 7 * 32  # three 4-row secondary shards
 
 
+def test_sign_decodes_on_a_hosts_local_mesh_keep_the_padding_zero():
+    """On (2, 4) each worker's memory holds its host's 1/4 of the padded kernel (4 of 16 rows):
+    the padding (rows 13-15) is rows 1-3 of local index 3's memories (workers 6 and 7 in the
+    local-major order)."""
+    mesh = jax.make_mesh((2, 4), ("hosts", "local"))
+    fs = compjax.fsdp(
+        loss,
+        optax.adam(LR),
+        W0,
+        mesh,
+        axis_name=("hosts", "local"),
+        min_size=MIN_SIZE,
+        compressor=compjax.scaled_sign(),
+        feedback="ef",
+    )
+    params, state = W0, fs.init(W0)
+    for t in range(2):
+        params, state, _ = fs.step(params, state, *batch(t))
+    memory = np.asarray(state.memory[0])
+    assert memory.shape == (8, 4, 7)
+    assert np.all(memory[6:, 1:] == 0) and np.abs(memory[6:, 0]).min() > 0
+    assert np.abs(memory[:6]).min() > 0
+    for stored in (params["w"], state.opt_state[0].mu["w"], state.opt_state[0].nu["w"]):
+        assert np.all(np.asarray(stored)[13:] == 0) and np.abs(np.asarray(stored)[:13]).min() > 0
+
+
 def test_restore_onto_another_worker_count_pads_or_truncates_the_zero_rows(tmp_path):
     """Saved from 8 workers (16 stored rows), restored onto 3 (15 rows: orbax's
     ``strict=False`` drops a padding row): the 3-worker step continues the 8-worker one up to
