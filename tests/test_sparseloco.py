@@ -284,3 +284,76 @@ def test_reference_options_bad_arguments():
         args = dict(sync_every=2) | kwargs
         with pytest.raises(ValueError, match=match):
             compjax.sparseloco(optax.sgd(0.1), args.pop("sync_every"), "data", **args)
+
+
+TEMPLAR = (("average", "senders"), ("chunk_1d", 8), ("merge", "median_norm_clip"))
+
+
+def test_reference_options_under_shard_map_agree_with_vmap():
+    """The gathering path under shard_map (specs from compjax.state_specs) gives vmap's
+    params and states, and compjax.communication counts one chunked payload per leaf."""
+    tx = compjax.sparseloco(
+        optax.sgd(LR), H, "data", outer_lr=OUTER_LR, error_decay=BETA, **COMP, **dict(TEMPLAR)
+    )
+    specs = compjax.state_specs(jax.eval_shape(tx.init, P1), "data")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:N]), ("data",))
+    P = jax.sharding.PartitionSpec
+
+    def body(p, s, x, y, z):
+        p = jax.tree.map(lambda a: a[0], p)
+        u, s = tx.update(jax.grad(loss1)(p, x[0], y[0], z[0]), s, p)
+        return jax.tree.map(lambda a: a[None], optax.apply_updates(p, u)), s
+
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    run = jax.jit(
+        jax.shard_map(
+            body, mesh=mesh, in_specs=(P("data"), specs) + (P("data"),) * 3,
+            out_specs=(P("data"), specs),
+        )
+    )  # fmt: skip
+    v_init, v_step = vmapped_reference(TEMPLAR)
+    ps, ss = compjax.worker_copies(P1, N), init(P1)
+    pv, sv = compjax.worker_copies(P1, N), v_init(jnp.arange(N))
+    for t in range(4):
+        ps, ss = run(ps, ss, XS[t], YS[t], ZS[t])
+        pv, sv, _ = v_step(pv, sv, XS[t], YS[t], ZS[t])
+    for k in P1:
+        np.testing.assert_allclose(np.asarray(ps[k]), np.asarray(pv[k]), atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(ss.error[k]).reshape(N, -1), np.asarray(sv.error[k]).reshape(N, -1),
+            atol=1e-6,
+        )  # fmt: skip
+    report = compjax.communication(tx, P1, "data", num_workers=N)
+    w = compjax.chunked_top_k(k=2, chunk=8, bits=2).bits((6, 4))
+    b = compjax.chunked_top_k(k=2, chunk=8, bits=2).bits((16,))
+    assert sum(bits for kind, bits in report.payloads if kind == "payload") == w + b
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_reference_options_with_low_precision_params(dtype):
+    """bfloat16 and float16 params: the global params stay float32 and follow the float32
+    run within the low dtype's rounding of the local steps."""
+    init, step = vmapped_reference(TEMPLAR)
+    low = jax.tree.map(lambda a: jnp.asarray(a, dtype), P1)
+    p32, s32 = compjax.worker_copies(P1, N), init(jnp.arange(N))
+    tx = compjax.sparseloco(
+        optax.sgd(LR), H, "data", outer_lr=OUTER_LR, error_decay=BETA, **COMP, **dict(TEMPLAR)
+    )
+
+    def step_low(p, s, x, y, z):
+        g = jax.grad(loss1)(p, x, y, z)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    run = jax.jit(jax.vmap(step_low, axis_name="data"))
+    pl = compjax.worker_copies(low, N)
+    sl = jax.jit(jax.vmap(lambda _: tx.init(low)))(jnp.arange(N))
+    for t in range(4):
+        p32, s32, _ = step(p32, s32, XS[t], YS[t], ZS[t])
+        pl, sl = run(pl, sl, XS[t], YS[t], ZS[t])
+    theta = compjax.global_params(sl, stacked=True)
+    ref = compjax.global_params(s32, stacked=True)
+    for k in P1:
+        assert pl[k].dtype == dtype and theta[k].dtype == jnp.float32
+        assert np.all(np.isfinite(np.asarray(theta[k])))
+        np.testing.assert_allclose(np.asarray(theta[k]), np.asarray(ref[k]), atol=3e-2)
