@@ -68,7 +68,7 @@ from compjax.advise_report import Advice as Advice
 from compjax.advise_report import crossover_text as crossover_text
 from compjax.advise_report import recommendation as recommendation
 from compjax.advise_report import table as table
-from compjax.codec_timing import CLOCKS, COLUMNS, SAMPLE_ENTRIES, time_updates
+from compjax.codec_timing import CLOCK_CHOICES, COLUMNS, SAMPLE_ENTRIES, time_updates
 
 AXIS = "data"
 #: ``communication()``'s routes to the cost model's collectives.
@@ -175,7 +175,7 @@ def advise(
     shared: bool = False,
     repeats: int = 5,
     sample_entries: int = SAMPLE_ENTRIES,
-    clock: str = "wall",
+    clock: str = "auto",
     timer: Callable[..., Mapping[str, Sequence[float]]] = time_updates,
     steps_factor: Mapping[str, float] | None = None,
 ) -> list[Advice]:
@@ -191,7 +191,9 @@ def advise(
       shared: one medium all workers' bits cross (``costmodel.SharedMedium``).
       repeats: timing rounds (medians and ranges over them).
       sample_entries: the most entries of each leaf of the timed sample (:func:`sample_tree`).
-      clock: ``"wall"`` or ``"process"`` (CPU time; see :func:`time_updates`).
+      clock: ``"wall"``, ``"process"`` (CPU time; see :func:`time_updates`) or ``"auto"``:
+        the process clock on a CPU, the wall clock on an accelerator
+        (:func:`~compjax.codec_timing.resolve_clock`).
       timer: ``timer(txs, params, repeats, sample_entries, clock)``: ``{name:
         seconds per round}`` of one worker's update (:func:`time_updates`).
       steps_factor: ``{method: its steps to a quality target over dense float32's}``
@@ -214,8 +216,8 @@ def advise(
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if exchange not in ("scatter_gather", "all_gather"):
         raise ValueError(f"exchange must be 'scatter_gather' or 'all_gather', got {exchange!r}")
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+    if clock not in CLOCK_CHOICES:
+        raise ValueError(f"clock must be one of {list(CLOCK_CHOICES)}, got {clock!r}")
     params = as_params(params)
     factors = _steps_factors(steps_factor, exchange)
     kind = costmodel.SharedMedium if shared else costmodel.Network

@@ -11,8 +11,8 @@ from collections.abc import Sequence
 import jax
 
 from compjax import advise
-from compjax.advise_fsdp import advise_fsdp, fsdp_table
-from compjax.codec_timing import CLOCKS, SAMPLE_ENTRIES
+from compjax.advise_fsdp import advise_fsdp, fsdp_recommendation, fsdp_table
+from compjax.codec_timing import CLOCK_CHOICES, SAMPLE_ENTRIES, resolve_clock
 
 
 def _flag(kind: type, least: float, *, above: bool = False):
@@ -66,9 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         choices=("scatter_gather", "all_gather"))  # fmt: skip
     parser.add_argument("--shared", action="store_true", help="one medium shared by all workers")
     parser.add_argument("--repeats", type=_flag(int, 1), default=5, help="timing rounds (5)")
-    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
+    parser.add_argument("--clock", default="auto", choices=CLOCK_CHOICES,
                         help="time by the wall clock, or the process's CPU time (steadier on "
-                        "a shared machine, CPU backends only)")  # fmt: skip
+                        "a shared machine, CPU backends only); auto (the default): the process "
+                        "clock on a CPU, the wall clock on an accelerator")  # fmt: skip
     parser.add_argument("--sample-entries", type=_flag(int, 1), default=SAMPLE_ENTRIES,
                         help="most entries of a timed sample leaf (4194304)")  # fmt: skip
     parser.add_argument("--steps-factor", action="append", default=[], metavar="METHOD=X",
@@ -91,6 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "(leaves of 4,096 entries or more sharded), messages only"
         )
         print(fsdp_table(rows))
+        print(fsdp_recommendation(rows, args.bandwidth_gbps))
         return 0
     began, cpu = time.perf_counter(), time.process_time()
     try:
@@ -106,8 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{args.params:,} parameters, {args.workers} workers, {args.bandwidth_gbps:g} Gbit/s "
         f"({link}), {args.latency_us:g} us latency, {args.compute_ms:g} ms compute; codecs "
-        f"timed on {jax.devices()[0].platform} ({args.clock} clock) in {args.repeats} interleaved "
-        f"rounds, at most "
+        f"timed on {jax.devices()[0].platform} ({resolve_clock(args.clock)} clock) in "
+        f"{args.repeats} interleaved rounds, at most "
         f"{args.sample_entries:,} entries per sample leaf, scaled by size ({wall:.1f} s, "
         f"{cpu:.1f} s CPU)"
     )

@@ -5,7 +5,9 @@ The sharded-training mode of :mod:`compjax.advise`: each :func:`compjax.fsdp` st
 :data:`FSDP_METHODS` is costed from its messages (the parameter all-gather, the gradient
 reduce-scatter, the replicated leaves' mean and the non-finite flag), counted by
 :func:`compjax.communication` on an abstract mesh and timed by :mod:`compjax.costmodel`.
-The codecs are not timed here: a step is its compute plus its messages' time.
+The codecs are not timed here: a step is its compute plus its messages' time.  The
+command ends, as :mod:`compjax.advise`'s does, with a recommendation
+(:func:`fsdp_recommendation`).
 """
 
 from __future__ import annotations
@@ -136,3 +138,29 @@ def fsdp_table(advice: Sequence[FSDPAdvice]) -> str:
             f" {1e3 * a.comm_s:9.1f} {1e3 * a.step_s:9.1f} {a.speedup_fp32:11.2f}"
         )
     return "\n".join(lines)
+
+
+#: A compressed step must be shorter than dense float32 FSDP's by more than this fraction to be
+#: recommended: the codecs are not timed, and a gain this small is within what they cost.
+MIN_GAIN = 0.01
+
+
+def fsdp_recommendation(advice: Sequence[FSDPAdvice], bandwidth_gbps: float) -> str:
+    """The answer: the step with the shortest predicted time, how much shorter than dense
+    float32 FSDP's it is, and that the codecs were not timed.
+
+    Dense float32 FSDP is recommended when no compressed step is shorter than it by more
+    than :data:`MIN_GAIN` (its messages are then a negligible part of the step).
+    """
+    dense = advice[0]
+    best = min(advice, key=lambda a: a.step_s)
+    at = f"at {bandwidth_gbps:g} Gbit/s"
+    if best is dense or best.step_s > (1 - MIN_GAIN) * dense.step_s:
+        share = dense.comm_s / dense.step_s
+        return (f"Recommendation: {dense.method}; no compressed step is more than "
+                f"{100 * MIN_GAIN:g}% shorter {at} (its messages are {100 * share:.1f}% of its "
+                f"{1e3 * dense.step_s:.1f} ms step).")  # fmt: skip
+    return (f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x {dense.method}'s step {at} "
+            f"({1e3 * best.step_s:.1f} ms against {1e3 * dense.step_s:.1f} ms); messages only, "
+            "the codecs not timed: measure the steps with compjax.auto before committing to "
+            "one.")  # fmt: skip

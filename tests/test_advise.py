@@ -272,7 +272,64 @@ def test_fsdp_steps_cost_a_gather_and_a_reduce_scatter(capsys, monkeypatch):
     assert advise_cli.main([*args, "--compute-ms", "10", "--latency-us", "0", "--shared"]) == 0
     out = capsys.readouterr().out
     shared_ms = 1e3 * (0.01 + n * fp32.comm_s)
-    assert "one shared medium" in out and f"{shared_ms:9.1f}" in out.splitlines()[-1]
+    assert "one shared medium" in out and f"{shared_ms:9.1f}" in out.splitlines()[-2]
+    assert out.splitlines()[-1].startswith("Recommendation: fsdp fp32; no compressed step")
+
+
+def test_fsdp_ends_with_a_recommendation_of_the_shortest_step(capsys):
+    """The shortest compressed step at a slow link; dense float32 FSDP when no compressed step
+    saves more than MIN_GAIN of the step (its messages negligible against the compute)."""
+    entries = 64 * codec_timing.COLUMNS
+    rows = advise_fsdp.advise_fsdp(entries, 4, 1.0, 0.0, 0.01)
+    best = min(rows, key=lambda r: r.step_s)
+    text = advise_fsdp.fsdp_recommendation(rows, 1.0)
+    assert best.method != "fsdp fp32"
+    assert text.startswith(f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x fsdp fp32")
+    assert "codecs not timed" in text and "\n" not in text
+    # 1,000 s of compute: the messages are under 1% of any step
+    slow = advise_fsdp.advise_fsdp(entries, 4, 1.0, 0.0, 1000.0)
+    assert 1 < max(r.speedup_fp32 for r in slow) < 1 / (1 - advise_fsdp.MIN_GAIN)
+    text = advise_fsdp.fsdp_recommendation(slow, 1.0)
+    assert text.startswith("Recommendation: fsdp fp32; no compressed step is more than 1% shorter")
+    args = ["--fsdp", "--params", str(entries), "--workers", "4", "--bandwidth-gbps", "1"]
+    assert advise_cli.main([*args, "--compute-ms", "10"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"Recommendation: {best.method}, ")
+
+
+def test_the_default_clock_is_the_process_clock_on_a_cpu(monkeypatch, capsys):
+    """``clock="auto"`` (the default of ``advise``, ``time_updates`` and the command line)
+    times by the process's CPU time on a CPU backend, by the wall clock on an accelerator."""
+    assert codec_timing.resolve_clock("auto", "cpu") == "process"
+    assert codec_timing.resolve_clock("auto", "gpu") == "wall"
+    assert codec_timing.resolve_clock("auto", "tpu") == "wall"
+    assert codec_timing.resolve_clock("wall", "cpu") == "wall"
+    assert jax.devices()[0].platform == "cpu"
+    calls = {"wall": 0, "process": 0}
+
+    def counting(name, real):
+        def now():
+            calls[name] += 1
+            return real()
+
+        return now
+
+    clocks = {name: counting(name, real) for name, real in codec_timing.CLOCKS.items()}
+    monkeypatch.setattr(codec_timing, "CLOCKS", clocks)
+    txs = {"dense fp32": advise.methods("scatter_gather")["dense fp32"]()}
+    codec_timing.time_updates(txs, advise.as_params(4096), 3, 4096)
+    assert calls == {"wall": 0, "process": 6}  # two readings per timed call
+    seen = []
+
+    def timer(txs, params, repeats, entries, clock):
+        seen.append(clock)
+        return fixed_timer(0.01)(txs, params, repeats, entries, clock)
+
+    advise.advise(4096, 4, 1.0, 5.0, 0.1, repeats=2, timer=timer)
+    assert seen == ["auto"]
+    assert advise_cli.main(["--params", "4096", "--workers", "4", "--bandwidth-gbps", "1",
+                            "--compute-ms", "10", "--repeats", "1"]) == 0  # fmt: skip
+    assert "(process clock)" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_a_steps_factor_makes_the_answer_about_time_to_quality(capsys):
@@ -335,3 +392,14 @@ def test_cli_steps_factor_flag(capsys):
         "QSGD 4-bit": 2.0,
         "bf16 cast": 1.1,
     }
+
+
+@pytest.mark.parametrize("kind", [costmodel.Network, costmodel.SharedMedium])
+def test_the_cost_model_refuses_non_finite_networks(kind):
+    for bandwidth in (math.inf, math.nan, 0.0):
+        with pytest.raises(ValueError, match=r"^bandwidth_gbps must be finite and > 0"):
+            kind(bandwidth_gbps=bandwidth)
+    for latency in (math.inf, math.nan, -1.0):
+        with pytest.raises(ValueError, match=r"^latency_us must be finite and >= 0"):
+            kind(bandwidth_gbps=1.0, latency_us=latency)
+    assert kind(bandwidth_gbps=1e6, latency_us=0.0).collective("allreduce", 8.0, 2) > 0
