@@ -2,10 +2,14 @@
 
 Both processes run one compressed exchange; then process 1 kills itself
 (SIGKILL, as a crashed host would vanish) and process 0 enters the next
-exchange, where it blocks until JAX's coordination service notices the
-missing heartbeats and aborts it.  Process 0 prints the time of its last
-completed step; ``tests/test_multiprocess.py`` measures how long after the
-peer's death it ends::
+exchange, whose gloo collective fails at once (``JaxRuntimeError``, the
+peer's socket closed).  Process 0 runs its steps inside
+:func:`experiments.launch.exit_on_peer_failure`, which says so in one line
+and ends it; with ``--no-catch`` the error ends the interpreter, whose
+``jax.distributed`` shutdown barrier then waits for the heartbeat timeout
+and aborts (SIGABRT, a C++ stack trace).  Process 0 prints the time of its
+last completed step; ``tests/test_multiprocess.py`` measures how long after
+the peer's death it ends::
 
     python tests/dead_peer_worker.py --process-id 0 --port 12345 --heartbeat 10
 """
@@ -16,13 +20,19 @@ if __name__ == "__main__":
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
 
 import argparse
+import contextlib
 import signal
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 import compjax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the experiments package
+from experiments.launch import exit_on_peer_failure
 
 P = jax.P
 
@@ -32,7 +42,9 @@ def main() -> None:
     parser.add_argument("--process-id", type=int, required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--heartbeat", type=int, required=True, help="heartbeat_timeout_seconds")
+    parser.add_argument("--no-catch", action="store_true", help="leave the collective's error")
     args = parser.parse_args()
+    guard = contextlib.nullcontext() if args.no_catch else exit_on_peer_failure(args.process_id)
     address = f"127.0.0.1:{args.port}"
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -62,8 +74,9 @@ def main() -> None:
         print(f"dying at {time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(2.0)  # the peer is gone by now
-    updates, state = step(grads, state)
-    updates.block_until_ready()
+    with guard:
+        updates, state = step(grads, state)
+        updates.block_until_ready()
     print("second step completed (unexpected)", flush=True)
 
 

@@ -10,8 +10,10 @@ devices of this process.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -22,6 +24,8 @@ import jax
 import numpy as np
 import pytest
 from multiprocess_worker import FAST_NAMES, STEPS, WORKERS, run
+
+from experiments import launch as launcher
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 NUM_PROCESSES = 2
@@ -153,11 +157,11 @@ HEARTBEAT_S = 5
 
 @pytest.mark.slow
 def test_a_dead_peer_aborts_the_survivor_within_the_heartbeat_timeout(tmp_path):
-    """With ``heartbeat_timeout_seconds=5`` the survivor aborts seconds after its peer dies.
-
-    (With JAX's default of 100 s it would block in the collective that long.)
-    """
-    workers = launch(DEAD_PEER_WORKER, tmp_path, ["--heartbeat", str(HEARTBEAT_S)])
+    """Uncaught, the survivor's failed collective ends the interpreter, whose ``jax.distributed``
+    shutdown barrier waits for the peer's heartbeat (5 s here, 100 s by JAX's default) and
+    then aborts the process (SIGABRT)."""
+    args = ["--heartbeat", str(HEARTBEAT_S), "--no-catch"]
+    workers = launch(DEAD_PEER_WORKER, tmp_path, args)
     survivor = workers[0][0]
     try:
         survivor.wait(timeout=TIMEOUT_S)
@@ -172,6 +176,33 @@ def test_a_dead_peer_aborts_the_survivor_within_the_heartbeat_timeout(tmp_path):
     assert "second step completed" not in workers[0][1].read_text()
     elapsed = ended - float(died[0].split()[-1])
     assert 0 < elapsed < 4 * HEARTBEAT_S, f"survivor ended {elapsed:.1f} s after its peer died"
+    assert survivor.returncode == -signal.SIGABRT, report(workers)
+
+
+@pytest.mark.slow
+def test_a_dead_peer_is_one_line_from_the_survivor_and_from_the_launcher(tmp_path):
+    """Caught (``experiments.launch.exit_on_peer_failure``), the survivor's failed collective is
+    one line and exit status PEER_FAILED, well before the heartbeat timeout (60 s here); the
+    launcher (``experiments.launch.supervise``) says which process died and how."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+    commands = [
+        [sys.executable, str(DEAD_PEER_WORKER), "--process-id", str(i), "--port", str(port),
+         "--heartbeat", "60"]
+        for i in range(NUM_PROCESSES)
+    ]  # fmt: skip
+    out = io.StringIO()
+    code = launcher.supervise(commands, tmp_path, timeout=TIMEOUT_S, out=out, env=env)
+    logs = [(tmp_path / f"process{i}.log").read_text(errors="replace") for i in range(2)]
+    assert code == 128 + signal.SIGKILL, out.getvalue() + "\n".join(logs)
+    [line] = out.getvalue().splitlines()
+    assert line.startswith("process 1 of 2 died (killed by SIGKILL) after "), line
+    died = float(next(x for x in logs[1].splitlines() if x.startswith("dying at")).split()[-1])
+    # The survivor: one line on the failed collective, no abort, long before the heartbeat.
+    [said] = [x for x in logs[0].splitlines() if x.startswith("process 0: a collective failed")]
+    assert "Connection closed by peer" in said and launcher.RESUME in said
+    assert "Check failure stack trace" not in logs[0] and "second step completed" not in logs[0]
+    assert (tmp_path / "process0.log").stat().st_mtime - died < 30
 
 
 AUTO_WORKER = Path(__file__).with_name("auto_worker.py")
