@@ -357,3 +357,17 @@ def test_reference_options_with_low_precision_params(dtype):
         assert pl[k].dtype == dtype and theta[k].dtype == jnp.float32
         assert np.all(np.isfinite(np.asarray(theta[k])))
         np.testing.assert_allclose(np.asarray(theta[k]), np.asarray(ref[k]), atol=3e-2)
+
+
+def test_reference_options_refuse_a_non_finite_step():
+    """A NaN gradient on one worker at a round's end: NaN updates on every worker and the
+    whole state kept (the gathering path's guard)."""
+    init, step = vmapped_reference(TEMPLAR)
+    params, state = compjax.worker_copies(P1, N), init(jnp.arange(N))
+    params, state, _ = step(params, state, XS[0], YS[0], ZS[0])
+    bad = XS[1].copy()
+    bad[2, 0, 0] = np.nan
+    new_params, new_state, _ = step(params, state, bad, YS[1], ZS[1])
+    assert all(np.all(np.isnan(np.asarray(a))) for a in jax.tree.leaves(new_params))
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

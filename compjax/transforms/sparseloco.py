@@ -60,7 +60,10 @@ def sparseloco(
     mean_i m_i``.  This is exactly :func:`compjax.diloco` with
     ``outer=optax.sgd(outer_lr)``, ``compressor=chunked_top_k(k, chunk,
     bits)``, ``error_feedback=True`` and ``error_decay=beta``, which is what
-    it returns (same state, specs and checkpoints).
+    it returns with the default ``chunk_1d``, ``merge`` and ``average``
+    (same state, specs and checkpoints).  Those three give the authors'
+    code's choices instead (templar; below).  Non-finite input is handled as
+    in :func:`compjax.diloco` on either path.
 
     The defaults follow the authors' configuration for their 500M-parameter
     runs: ``k = 32`` of every 64 x 64 tile (here ``chunk = 4096``
