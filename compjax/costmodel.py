@@ -81,14 +81,20 @@ def latency_rounds(collective: str, workers: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Network:
-    """A homogeneous network: ``bandwidth_gbps`` Gbit/s per link and ``latency_us`` per message."""
+    """A homogeneous network: ``bandwidth_gbps`` Gbit/s per link and ``latency_us`` per message.
+
+    ``bandwidth_gbps=math.inf`` is an unlimited link (bits cost no time, only the latency);
+    NaN, zero or negative bandwidths and a NaN, negative or infinite latency are refused.
+    """
 
     bandwidth_gbps: float = 10.0
     latency_us: float = 5.0
 
     def __post_init__(self):
-        if not 0 < self.bandwidth_gbps < math.inf:
-            raise ValueError(f"bandwidth_gbps must be finite and > 0, got {self.bandwidth_gbps}")
+        if not self.bandwidth_gbps > 0:
+            raise ValueError(
+                f"bandwidth_gbps must be > 0 (inf: unlimited), got {self.bandwidth_gbps}"
+            )
         if not 0 <= self.latency_us < math.inf:
             raise ValueError(f"latency_us must be finite and >= 0, got {self.latency_us}")
 

@@ -396,9 +396,12 @@ def test_cli_steps_factor_flag(capsys):
 
 @pytest.mark.parametrize("kind", [costmodel.Network, costmodel.SharedMedium])
 def test_the_cost_model_refuses_non_finite_networks(kind):
-    for bandwidth in (math.inf, math.nan, 0.0):
-        with pytest.raises(ValueError, match=r"^bandwidth_gbps must be finite and > 0"):
+    for bandwidth in (math.nan, 0.0, -math.inf):
+        with pytest.raises(ValueError, match=r"^bandwidth_gbps must be > 0 \(inf: unlimited\)"):
             kind(bandwidth_gbps=bandwidth)
+    # An unlimited link is the bench-net report's naive model: only the latency costs time.
+    unlimited = kind(bandwidth_gbps=math.inf, latency_us=2.0)
+    assert unlimited.collective("allreduce", 8.0, 2) == pytest.approx(2 * unlimited.alpha)
     for latency in (math.inf, math.nan, -1.0):
         with pytest.raises(ValueError, match=r"^latency_us must be finite and >= 0"):
             kind(bandwidth_gbps=1.0, latency_us=latency)
