@@ -149,19 +149,29 @@ def _adapt(count, threshold, low, max_adaptation_iters, factor):
 
 
 def _reference_select(mag, samples, top, k, band, max_adaptation_iters):
-    """The selection by full passes over ``mag = |x|`` (taken where ``x`` holds a NaN)."""
+    """The selection by full passes over ``mag = |x|`` (taken where ``x`` holds a NaN).
+
+    An entry reaches ``t`` where ``not mag < t``, as on the mask words
+    (:func:`compjax.compressors.masks.reaching`): a NaN reaches every
+    threshold, so it is counted and sent, never dropped (and a NaN sampled as
+    the threshold makes every entry reach it: the count leaves the band and
+    the exact top-``k``, which ranks NaN first, is taken).
+    """
     d = mag.shape[0]
     low, capacity = band_limits(k, d, band)
     threshold = jax.lax.top_k(samples, top)[0][-1]
 
+    def reach(t):
+        return ~(mag < t)
+
     def count(t):
-        return jnp.sum(mag >= t, dtype=jnp.int32)
+        return jnp.sum(reach(t), dtype=jnp.int32)
 
     threshold, n = _adapt(count, threshold, low, max_adaptation_iters, band[0])
     accept = (n >= low) & (n <= capacity)
 
     def by_threshold():
-        return jnp.nonzero(mag >= threshold, size=capacity, fill_value=d)[0].astype(jnp.int32)
+        return jnp.nonzero(reach(threshold), size=capacity, fill_value=d)[0].astype(jnp.int32)
 
     def by_top_k():
         return exact_select(mag, k, capacity).indices

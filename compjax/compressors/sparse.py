@@ -334,7 +334,10 @@ def top_k(
       - k_lo/d) ||x||^2``: ``delta = k_lo/d``.  Deterministic: the sample
       starts at entry 0.  With ``k = d`` (or an empty input) it is the exact
       selection.  On a TPU, ``jax.lax.approx_max_k`` is the hardware's own
-      approximate top-k (a recall target instead of a count band).
+      approximate top-k (a recall target instead of a count band).  A NaN
+      reaches every threshold (an entry reaches ``t`` where ``not |x| <
+      t``) and ``jax.lax.top_k`` ranks it first, so with either selection a
+      NaN or an infinity in ``x`` is sent, never dropped.
 
     Raises:
       ValueError: both or neither of ``k`` and ``ratio``; ``k < 1``; ``ratio``

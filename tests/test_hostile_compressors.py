@@ -1,0 +1,66 @@
+"""Hostile inputs for single compressors: non-finite entries stay visible, values near a
+dtype's largest finite value stay unbiased where the documented range says so."""
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import compjax
+
+# --- top_k(select="threshold"): a NaN or an infinity is always sent -----------------------
+
+THRESHOLD_SIZES = (5, 13, 64, 1000, 4099)
+
+
+@partial(jax.jit, static_argnums=0)
+def _decode_each(comp, xs):
+    return jax.vmap(lambda x: comp(None, x))(xs)
+
+
+def _with_bad(d: int, bad: float) -> np.ndarray:
+    """Rows of ``linspace(0.1, 1, d)``, row ``j`` with ``bad`` at one position (first, a
+    third, last; two of them in the last row)."""
+    base = np.linspace(0.1, 1.0, d).astype(np.float32)
+    positions = sorted({0, d // 3, d - 1})
+    rows = np.repeat(base[None], len(positions) + 1, 0)
+    for j, pos in enumerate(positions):
+        rows[j, pos] = bad
+    rows[-1, [0, d - 1]] = bad
+    return rows
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.5])
+@pytest.mark.parametrize("d", THRESHOLD_SIZES)
+def test_threshold_top_k_sends_nan_and_inf_at_every_size(d, ratio):
+    """A NaN reaches every threshold (as on the mask words), so it is sent whatever the size
+    and position: before, the full-pass selection compared ``|x| >= t``, false for NaN, and
+    46 of 80 (ratio, size, position) cases decoded finite.  Checked under ``jit(vmap)`` over
+    inputs (the selection's ``lax.cond``s become selects) and eagerly on one input."""
+    comp = compjax.top_k(ratio=ratio, select="threshold")
+    for bad in (np.nan, np.inf, -np.inf):
+        rows = _with_bad(d, bad)
+        outs = np.asarray(_decode_each(comp, jnp.asarray(rows)))
+        for row, out in zip(rows, outs, strict=True):
+            hit = ~np.isfinite(row)
+            # Every non-finite entry is sent as itself (k >= 2 here, or the one kept is it).
+            sent = np.isnan(out[hit]) if np.isnan(bad) else out[hit] == bad
+            assert sent.sum() >= min(hit.sum(), comp.k_for(d)), (d, ratio, bad, row, out)
+        eager = np.asarray(comp(None, jnp.asarray(rows[0])))
+        np.testing.assert_array_equal(eager, outs[0])
+
+
+def test_threshold_top_k_keeps_finite_selections():
+    """On finite input the selection is unchanged: ``not |x| < t`` is ``|x| >= t``; the
+    threshold keeps between ``k_lo`` and ``k_hi`` of the largest entries."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(4099), jnp.float32)
+    comp = compjax.top_k(ratio=0.1, select="threshold")
+    out = np.asarray(comp(None, x))
+    kept = np.flatnonzero(out)
+    lo, hi = comp.count_band(4099)
+    assert lo <= kept.size <= hi
+    mags = np.abs(np.asarray(x))
+    assert mags[kept].min() >= np.delete(mags, kept).max()
+    np.testing.assert_array_equal(out[kept], np.asarray(x)[kept])
