@@ -49,6 +49,8 @@ class Natural(Elementwise, Compressor):
     """Natural compression of float32 entries.  See :func:`natural`."""
 
     unbiased: ClassVar[bool] = True
+    #: ``max |decode| / max |x|``: ``|t|`` decodes to at most ``2^(a+1) <= 2|t|``.
+    decode_growth: ClassVar[float] = 2.0
 
     def units(self, d, dtype):
         return {"exponents": _EXPONENTS_PER_WORD, "signs": packing.WORD}
