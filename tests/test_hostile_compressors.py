@@ -101,3 +101,20 @@ def test_chain_of_rand_k_and_natural_states_its_float16_range():
         mean, std = (float(v) for v in _chain_mean(comp, x, n))
         z = (mean - float(x[0])) / (std / np.sqrt(n))
         assert (z < -5) if biased else (abs(z) < 5), (float(x[0]), mean, z)
+
+
+# --- chunked_top_k: a leaf smaller than a chunk has narrower positions -----------------
+
+
+@pytest.mark.parametrize(("d", "width"), [(15, 4), (200, 8), (5000, 16)])
+def test_chunked_top_k_positions_of_a_small_leaf_are_narrower(d, width):
+    """An array of ``d < chunk`` entries is one chunk of ``d``: ``min(k, d)`` positions of
+    the packable width holding ``d - 1``; ``bits`` is the payload's, to the bit."""
+    comp = compjax.chunked_top_k(k=32, chunk=4096, bits=2)
+    x = jnp.asarray(np.random.default_rng(d).standard_normal(d), jnp.float32)
+    payload = jax.jit(comp.compress)(None, x)
+    chunks, kept = -(-d // 4096), min(32, d)
+    sent = chunks * kept
+    words = lambda n, w: -(-n * w // 32) * 32 if w < 8 else n * w  # noqa: E731
+    expected = words(sent, width) + words(sent, 2) + 32 * 4
+    assert comp.bits(x.shape) == compjax.wire_bits(payload) == expected

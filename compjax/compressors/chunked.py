@@ -191,6 +191,10 @@ def chunked_top_k(
 
     Bits for ``d`` entries with ``n = ceil(d / chunk)`` chunks:
     ``n k (index width + bits) + 32 * 2**bits`` (whole words per field of codes below 8 bits).
+    An array smaller than ``chunk`` is one chunk of ``d`` entries, so its
+    positions are narrower: the packable width holding ``d - 1`` (``d = 15``:
+    4 bits, ``d = 200``: 8 bits, against 16 for ``chunk = 4096``), and at
+    most ``d`` of them (``min(k, d)``); ``bits(shape)`` counts those.
 
     Biased; with float32 values contractive, ``delta = k / chunk``.  The
     lookup quantiser replaces each value by its bin's mean, which never adds
