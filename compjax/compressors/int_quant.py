@@ -371,6 +371,13 @@ def int_quant(bits: int = 4, rotate: bool = False) -> IntQuant:
     Wire format alone: one float32 scale and ``bits``-bit offset codes,
     ``32 // bits`` to a uint32 word.
 
+    Not INTELLECT-1's int8 all-reduce, though ``int_quant(8)`` sends the same
+    8-bit codes: INTELLECT-1 quantises each ring chunk deterministically into
+    256 bins over a 6-sigma range, decodes a bin to the mean of its values and
+    re-quantises at every hop (biased, tails clipped); ``int_quant`` rounds
+    stochastically (unbiased) on a grid set by one shared scale, and the
+    codes are summed exactly as integers.
+
     ``rotate=True`` is THC's version: the codes are those of ``H D x``
     (padded to ``d'``, the next power of two), ``D`` random signs from a key
     every worker shares (in an exchange, derived from the step's common key;
