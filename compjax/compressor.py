@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.numerics import divide, ldexp, to_dtype, unit_scale
+from compjax.numerics import divide, ldexp, opaque, to_dtype, unit_scale
 from compjax.numerics import flatten as flatten
 from compjax.payload import Payload
 from compjax.pieces import Pieces, split
@@ -209,7 +209,7 @@ class Compressor:
 
     # -- the wire -----------------------------------------------------------
     def compress(self, key, x) -> Payload:
-        x = self.check(key, x)
+        x = opaque(self.check(key, x))
         flat = flatten(x) if self.flat_barrier(x.shape) else x.reshape(-1)
         if not self.keeps_dtype:
             flat = flat.astype(jnp.float32)

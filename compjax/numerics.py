@@ -1,10 +1,12 @@
 """Exact float32 scaling and rounding onto a narrower dtype's grid.
 
-Two facts of XLA on a CPU shape these helpers:
+Three facts of XLA shape these helpers:
 
-* it rewrites ``x / m`` as ``x * (1/m)``; for ``m > 2**126`` the reciprocal is
-  subnormal and flushed to zero, so the quotient is 0;
-* subnormal floats are flushed to zero in arithmetic.
+* on a CPU it rewrites ``x / m`` as ``x * (1/m)``; for ``m > 2**126`` the
+  reciprocal is subnormal and flushed to zero, so the quotient is 0;
+* on a CPU subnormal floats are flushed to zero in arithmetic;
+* its simplifier reassociates float products with a compile-time constant as
+  if they were exact, so a compressor hides its input (:func:`opaque`).
 
 So a compressor never divides by a data-dependent scale directly: it first
 brings the scale into ``[1, 2)`` by an exact power of two (:func:`unit_scale`),
@@ -36,6 +38,24 @@ def flatten(x: jax.Array) -> jax.Array:
     """
     flat = x.reshape(-1)
     return jax.lax.optimization_barrier(flat) if x.ndim > 1 else flat
+
+
+def opaque(x: jax.Array) -> jax.Array:
+    """``x`` behind an optimisation barrier: XLA's simplifier sees no constant in it.
+
+    A compressor's input may be a compile-time constant: an array closed over
+    by ``jax.jit`` (or ``jax.vmap`` under it), or made from constants inside.
+    XLA's simplifier then reassociates float products of it as if they were
+    exact, and the scaled arithmetic above breaks: the exactly scaled square
+    ``(x 2**-e) (x 2**-e)`` becomes ``(x x) (2**-e 2**-e)``, ``Inf * 0`` for
+    ``|x|`` beyond ``2**64`` and ``0 * Inf`` for a tiny ``x`` (QSGD's and
+    natural dithering's norm was NaN there, the decode NaN); and the constant
+    folder does not flush subnormals as the CPU does (``sign`` read ``-1e-45``
+    as negative there, as zero in every other form).  Behind the barrier a
+    constant is compiled as an argument is.  The barrier is expanded before
+    fusion: for an argument the compiled program is the same, op for op.
+    """
+    return jax.lax.optimization_barrier(x)
 
 
 def all_finite(a: jax.Array) -> jax.Array:
