@@ -330,12 +330,24 @@ class IntQuant(Compressor):
         return decode_spans(sizes, self.unit(1), decode)
 
     def unbiased_range(self, d, dtype=jnp.float32):
-        """Every finite input; with ``rotate``, ``max / d'`` (a sufficient bound).
+        """Every finite input; with ``rotate``, ``max / min(d', 1 + d'/s)`` (sufficient).
 
-        Rotated entries reach ``sqrt(d') max|x|``, the decode ``d' max|x|``.
+        A rotated entry reaches ``sqrt(d') max|x|``, so the scale does and a
+        code's error is below one step ``scale / s <= sqrt(d') max|x| / s``;
+        unrotated, an entry's error is at most ``sqrt(d')`` steps, so the
+        decode is at most ``(1 + d'/s) max|x|`` (and ``d' max|x|``, the sum
+        of the rotated entries).  Beyond it a decode can exceed ``max`` and
+        saturates (biased): float16 entries of 65504 average 0.3% low at 8
+        bits, 6% at 4 bits, on 64 entries.  No decode confined to
+        ``[-max, max]`` can be unbiased at ``x_i = max`` without being exact.
+        At most ``float32 max / d'``, where the transform's float32 sums stay
+        finite (bfloat16 and float32 inputs: ``max / d'`` as before).
         """
         if self.rotate and d:
-            return dtype_max(dtype) / hadamard.next_power_of_two(d)
+            n = hadamard.next_power_of_two(d)
+            # The transform's float32 sums (before its 1/sqrt(d') normalisation) stay finite.
+            rotated = dtype_max(jnp.float32) / n
+            return min(dtype_max(dtype) / min(n, 1.0 + n / self.levels), rotated)
         return dtype_max(dtype)
 
     def omega(self, d):
