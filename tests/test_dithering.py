@@ -16,7 +16,7 @@ import pytest
 from helpers import assert_mean_error, assert_unbiased, draw, roundtrip
 from hypothesis import given
 from hypothesis import strategies as st
-from test_unbiased import _vector
+from test_unbiased import NEAR_LIMIT, _vector, assert_same_in_three_forms
 
 import compjax
 from compjax.compressors.dithering import natural_dithering_paper_bound
@@ -241,3 +241,11 @@ def test_omega_is_a_bound_not_exact_at_small_d(name):
     omega = comp.omega(3)
     assert sup <= omega * (1 + 1e-9)
     assert sup / omega == pytest.approx(ratio, abs=2e-4)
+
+
+def test_near_the_float32_limit_in_every_form():
+    """A closed-over input used to decode NaN under jit and jit(vmap) (finite eager): the
+    norm's exactly scaled squares of a constant were rewritten by XLA's simplifier as
+    ``(x x)(2**-e 2**-e)``, Inf times 0 (``compjax.numerics.opaque``)."""
+    comp = compjax.natural_dithering(levels=7)
+    assert_same_in_three_forms(comp, NEAR_LIMIT, lambda x: dithering_variance(x, 7))

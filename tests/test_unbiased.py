@@ -319,3 +319,52 @@ def test_one_norm_compressors_read_their_input_twice(spec):
     x = jax.random.normal(jax.random.key(0), (1 << 16,))
     readers = input_readers(jax.jit(comp[spec].compress), jax.random.key(1), x)
     assert len(readers) == 2, readers
+
+
+# -- the forms users run, on an input whose squares overflow float32 --------------------------
+
+#: Entries near float32's limit: their squares overflow, the norm (2.9e38) does not.
+NEAR_LIMIT = np.array([1e38, -1e38, 5e37, 3.0] * 4, np.float32)
+
+
+def in_three_forms(comp, x, n=2000, seed=0):
+    """``comp`` on ``x`` eager, under ``jit`` and under ``jit(vmap)`` over ``n`` keys, ``x``
+    closed over (a compile-time constant) and as an argument: ``(eager, jitted, draws)``,
+    each a dict of float64 arrays keyed by ``"const"``/``"arg"`` (eager: one decode)."""
+    x = jnp.asarray(x)
+    key = jax.random.key(seed)
+    keys = jax.random.split(key, n)
+    eager = np.asarray(comp(key, x), np.float64)
+    jitted = {
+        "const": jax.jit(lambda k: comp(k, x))(key),
+        "arg": jax.jit(lambda k, y: comp(k, y))(key, x),
+    }
+    draws = {
+        "const": jax.jit(jax.vmap(lambda k: comp(k, x)))(keys),
+        "arg": jax.jit(jax.vmap(lambda k, y: comp(k, y), in_axes=(0, None)))(keys, x),
+    }
+    as64 = lambda d: {k: np.asarray(v, np.float64) for k, v in d.items()}  # noqa: E731
+    return eager, as64(jitted), as64(draws)
+
+
+def assert_same_in_three_forms(comp, x, variance):
+    """Finite decodes of ``x`` in every form, the same for a key however ``x`` is given, and an
+    unbiased mean over the jit(vmap) draws (``assert_unbiased`` with the exact variance)."""
+    eager, jitted, draws = in_three_forms(comp, x)
+    assert np.all(np.isfinite(eager)), eager
+    for source in ("const", "arg"):
+        assert np.all(np.isfinite(jitted[source])), (source, jitted[source])
+        assert np.all(np.isfinite(draws[source])), (source, draws[source][0])
+        np.testing.assert_allclose(jitted[source], eager, rtol=1e-6)
+    np.testing.assert_array_equal(draws["const"], draws["arg"])
+    x = np.asarray(x, np.float64)
+    assert_unbiased(draws["const"], x, variance(x))
+
+
+@pytest.mark.parametrize("bucket", [None, 8], ids=["one norm", "buckets of 8"])
+def test_qsgd_near_the_float32_limit_in_every_form(bucket):
+    """A closed-over input used to decode NaN under jit and jit(vmap) (finite eager): XLA's
+    simplifier rewrote the exactly scaled squares of the constant, ``(x 2**-e)(x 2**-e)``,
+    as ``(x x)(2**-e 2**-e)``, Inf times 0 (``compjax.numerics.opaque``)."""
+    comp = compjax.qsgd(levels=4, bucket_size=bucket)
+    assert_same_in_three_forms(comp, NEAR_LIMIT, lambda x: qsgd_variance(x, 4, bucket))
