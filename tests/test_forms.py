@@ -103,6 +103,7 @@ _RAND_K = "x_i d/k beyond the dtype saturates (unbiased_range: max * k/d)"
 _ATOMO = "x_i / p_i beyond the dtype saturates (unbiased_range: max / 4)"
 _NATURAL = "|x_i| above 2**127 rounds up to 2**128, saturated (unbiased_range: 2**127)"
 _CAST = "the cast saturates at its target's largest value (docs: cast), beyond delta"
+_UNDER = "below the wire type's smallest normal (docs: cast), beyond delta"
 _WIDE = ("float32", "bfloat16")
 _ALL = tuple(DTYPES)
 
@@ -124,6 +125,9 @@ OUTSIDE = {
     ("cast('float16')", "huge"): (_WIDE, _CAST),
     ("cast('float8_e4m3fn')", "huge"): (_ALL, _CAST),
     ("cast('float4_e2m1fn')", "huge"): (_ALL, _CAST),
+    ("cast('float16')", "tiny"): (_WIDE, _UNDER),
+    ("cast('float8_e4m3fn')", "tiny"): (_ALL, _UNDER),
+    ("cast('float4_e2m1fn')", "tiny"): (_ALL, _UNDER),
 }
 #: Unbiased compressors that state no unbiased_range: the unbiasedness and omega checks run on
 #: the normal input only.
@@ -289,7 +293,8 @@ def test_guarantees_hold_in_every_form(spec, dtype_name):
 def test_what_is_left_out_is_what_the_metadata_says():
     """OUTSIDE and NO_RANGE are the compressors' own metadata: an unbiased compressor's input
     is left out exactly where it exceeds ``unbiased_range``, a cast's where it exceeds the
-    target's largest value, and NO_RANGE lists the unbiased compressors without a range."""
+    target's largest value or lies wholly below its smallest normal, and NO_RANGE lists the
+    unbiased compressors without a range."""
     assert set(NO_RANGE) == {
         s for s, c in COMPRESSORS.items() if c.unbiased and c.unbiased_range(D) is None
     }
@@ -305,7 +310,10 @@ def test_what_is_left_out_is_what_the_metadata_says():
                     limit = inner.unbiased_range(D, dtype)
                     beyond = limit is not None and top > limit
                 elif isinstance(comp, compjax.compressors.dense.Cast):
-                    beyond = top > float(jnp.finfo(comp.dtype).max)
+                    wire = jnp.finfo(comp.dtype)
+                    nonzero = np.abs(x[x != 0])
+                    below = nonzero.size > 0 and nonzero.max() < float(wire.tiny)
+                    beyond = top > float(wire.max) or below
                 else:
                     beyond = False
                 assert listed == beyond, (spec, name, dtype_name, listed, beyond)
