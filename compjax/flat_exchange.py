@@ -48,9 +48,9 @@ import jax.numpy as jnp
 
 from compjax import collectives
 from compjax.collectives import record, worker_index
-from compjax.overflow import mean_without_overflow
+from compjax.overflow import mean_without_overflow, prescale
 from compjax.pieces import Pieces
-from compjax.scatter import block_of, decoded_sum, placed_block, scatter
+from compjax.scatter import block_of, decoded_sum, placed_block, scatter, widened
 
 
 def compress_message(comp, key, x):
@@ -80,7 +80,8 @@ def gathered_mean(comp, key, x, names, n, guard=True):
             payload = compress_message(comp, key, x if scale == 1.0 else _times(x, scale))
             record("payload", payload, "all_reduce", names)
             total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
-            return comp.decompress(total).astype(jnp.float32).reshape(-1), payload
+            # Decoded in float32: the sum may lie beyond x's dtype though the mean does not.
+            return comp.decompress(widened(total)).astype(jnp.float32).reshape(-1), payload
 
         total, payload = summed(1.0)
         if not guard:
@@ -142,14 +143,29 @@ def scatter_gathered(comp, key, flat, memory, names, n):
     first_key, second_key = jax.random.split(key)
     mine, own = scatter(comp, first_key, flat, names, n)
     target = mine if memory is None else mine + block_of(memory, me, n).astype(jnp.float32)
-    second = comp.compress(jax.random.fold_in(second_key, me), target.astype(flat.dtype))
+    # A sum of n float16 values need not be one (4 x 60000): in a dtype of float16's
+    # range the shard is sent times 2**-k (2**k >= n, exact) and scaled back on decoding.
+    down = prescale(n)[0] if narrow_range(flat.dtype) else 1.0
+    shard = target if down == 1.0 else target * down
+    second = comp.compress(jax.random.fold_in(second_key, me), shard.astype(flat.dtype))
     record("gather", second, "all_gather", names)
-    sent = comp.decompress(second).astype(jnp.float32)
+    sent = _scaled_up(comp.decompress(second), down)
     gathered = collectives.all_gather(second, names)
-    total = jax.vmap(comp.decompress)(gathered).astype(jnp.float32).reshape(-1)[:d]
+    total = _scaled_up(jax.vmap(comp.decompress)(gathered).reshape(-1)[:d], down)
     if memory is not None:
         return total, own, placed_block(target - sent, me, n, d)
     return total, own + placed_block(sent - mine, me, n, d), None
+
+
+def narrow_range(dtype) -> bool:
+    """Whether ``dtype``'s exponent range is narrower than float32's (float16)."""
+    return jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp
+
+
+def _scaled_up(decoded: jax.Array, down: float) -> jax.Array:
+    """``decoded / down`` in float32 (``down`` a power of two: exact)."""
+    decoded = decoded.astype(jnp.float32)
+    return decoded if down == 1.0 else decoded * (1.0 / down)
 
 
 def two_stage_variance(first: list[float], second: float, n: int) -> float:

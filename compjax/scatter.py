@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from compjax import collectives
 from compjax.collectives import record, worker_index
@@ -56,6 +57,23 @@ def decoded_sum(comp: Compressor, gathered: Payload, n: int, scale: float = 1.0)
         return total + decoded(i)
 
     return jax.lax.fori_loop(1, n, add, decoded(0), unroll=UNROLL_WORKERS)
+
+
+def widened(payload: Payload) -> Payload:
+    """``payload`` (and every payload nested in its wire) decoding to float32, not its input's
+    dtype: for a sum of linear payloads (a ``psum``), whose decode may lie beyond the input
+    dtype's range though the mean does not.
+
+    Decoding to the input's dtype saturates: 4 float16 workers each sending 17000 by
+    ``cast("bfloat16")`` sum to 68000, which float16 clips to 65504 (a mean of 16376,
+    finite, so no overflow check sees it).  ``meta[1]`` is the input dtype of every
+    compjax payload; a float32 payload is returned as it is.
+    """
+    wide = np.dtype(jnp.float32)
+    if payload.meta[1] == wide:
+        return payload
+    wire = {k: widened(v) if isinstance(v, Payload) else v for k, v in payload.wire.items()}
+    return dataclasses.replace(payload, wire=wire, meta=(payload.meta[0], wide, *payload.meta[2:]))
 
 
 def summable(comp: Compressor) -> bool:
@@ -167,7 +185,7 @@ def linear_scatter(comp, key, flat, names, n):
     wire = jax.tree.map(lambda a: collectives.psum_scatter(a, names)[0], dict(payloads.wire))
     side = jax.tree.map(lambda a: a[me], dict(payloads.side))
     mine = dataclasses.replace(payloads, wire=wire, side=side)
-    total = comp.decompress(mine).astype(jnp.float32)
+    total = comp.decompress(widened(mine)).astype(jnp.float32)
     own = jax.vmap(comp.decompress)(payloads).astype(jnp.float32).reshape(-1)[:d]
     return total, own
 

@@ -190,3 +190,78 @@ def test_under_shard_map_near_the_limit():
             np.testing.assert_allclose(
                 np.asarray(updates[k], np.float64), np.asarray(g[0], np.float64), rtol=2e-6
             )
+
+
+# --- float16 sums beyond float16 whose means are not ------------------------------------------
+
+F16_AXES = ("hosts", "local")
+F16_EXCHANGES = {
+    "all_gather": ("data", "all_gather"),
+    "scatter_gather": ("data", "scatter_gather"),
+    "hierarchical(all_gather)": (F16_AXES, compjax.hierarchical("local", "all_gather")),
+    "hierarchical(scatter_gather)": (F16_AXES, compjax.hierarchical("local", "scatter_gather")),
+}
+F16_COMPRESSORS = {
+    "cast(bfloat16)": compjax.cast("bfloat16"),
+    "cast(float32)": compjax.cast("float32"),
+    "natural": compjax.natural(),
+    "eden": compjax.eden(),
+}
+
+
+@partial(jax.jit, static_argnums=(0, 1))
+def _exchange_mean(comp_name, exchange_name, x):
+    axes, exchange = F16_EXCHANGES[exchange_name]
+    tx = compjax.compress(F16_COMPRESSORS[comp_name], axes, exchange=exchange)
+    names = (axes,) if isinstance(axes, str) else axes
+    init, update = tx.init, tx.update
+    for _ in names:
+        init = jax.vmap(init)
+    for axis in reversed(names):
+        update = jax.vmap(update, axis_name=axis)
+    return update(x, init(x))[0]
+
+
+def _shared(exchange_name, row, dtype):
+    lead = (WORKERS,) if isinstance(F16_EXCHANGES[exchange_name][0], str) else (2, 2)
+    return jnp.asarray(np.broadcast_to(np.asarray(row), (*lead, len(row))), dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("exchange_name", list(F16_EXCHANGES))
+@pytest.mark.parametrize("comp_name", ["cast(bfloat16)", "cast(float32)"])
+def test_a_cast_mean_whose_sum_leaves_the_dtype_is_not_clipped(comp_name, exchange_name, dtype):
+    """4 workers each sending [20000, 1] through a cast: the mean is the cast of [20000, 1].
+
+    The psummed payload (80000) used to be decoded in the input dtype, which clipped it to
+    float16's 65504: a finite mean of 16376, flagged as nothing."""
+    x = _shared(exchange_name, [20000.0, 1.0], dtype)
+    out = np.asarray(_exchange_mean(comp_name, exchange_name, x), np.float64)
+    one = F16_COMPRESSORS[comp_name](None, x.reshape(-1, 2)[0])
+    np.testing.assert_array_equal(out, np.broadcast_to(np.asarray(one, np.float64), out.shape))
+
+
+@pytest.mark.parametrize("exchange_name", ["scatter_gather", "hierarchical(scatter_gather)"])
+@pytest.mark.parametrize("comp_name", ["natural", "eden"])
+def test_a_representable_float16_mean_goes_through_scatter_gather(comp_name, exchange_name):
+    """4 workers each sending 60000 in float16: the owner's shard sums to 240000, beyond
+    float16, and its second compression used to overflow (the step refused).  It is sent
+    times 2**-2 and scaled back: the mean is finite on every worker, within the
+    compressor's range (natural: each entry 32768 or 65504, so the mean within them; 1-bit
+    EDEN is noisy on 8 entries: its decode saturates at 65504)."""
+    x = _shared(exchange_name, [60000.0] * 8, jnp.float16)
+    out = np.asarray(_exchange_mean(comp_name, exchange_name, x), np.float64)
+    assert np.all(np.isfinite(out)), out
+    low = 32768 if comp_name == "natural" else -65504
+    assert np.all((out >= low) & (out <= 65504)), out
+    # The same mean on every worker.
+    flat = out.reshape(-1, 8)
+    np.testing.assert_array_equal(flat, np.broadcast_to(flat[0], flat.shape))
+
+
+def test_a_non_finite_float16_gradient_is_still_refused_on_scatter_gather():
+    """An Inf on one worker (a mean no dtype holds): NaN updates on every worker."""
+    x = np.full((WORKERS, 8), 60000.0, np.float32)
+    x[1, 3] = np.inf
+    out = np.asarray(_exchange_mean("natural", "scatter_gather", jnp.asarray(x, jnp.float16)))
+    assert np.all(np.isnan(out.astype(np.float32))), out
