@@ -11,7 +11,8 @@ simulated CPU devices, and ``jax.pmap``:
 * an Inf or NaN on one worker refuses the step: NaN updates on every worker and
   the whole state (error memories, DIANA shifts, server memories, counts, keys)
   kept bit for bit;
-* replication: after every step the update, and every state field that
+* replication: after every step the update (but for the local-step methods,
+  whose updates move each worker's own params), and every state field that
   :func:`compjax.state_specs` says is replicated (``P()``), is the same bit for
   bit on every worker.
 
@@ -101,12 +102,31 @@ def _step(name, form):
     if form == "pmap":
         return jax.pmap(one, axis_name=AXIS, devices=list(_devices()))
 
+    # Replicated state fields enter as one copy (P()), per-worker ones split (P(axis)).
+    specs = compjax.state_specs(jax.eval_shape(tx.init, _params(jnp.float32)), AXIS)
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    first = lambda a: a[0]  # noqa: E731
+
     def local(grads, state, params):
-        out = one(*jax.tree.map(lambda a: a[0], (grads, state, params)))
+        state = jax.tree.map(lambda sp, a: a if sp == P() else a[0], specs, state, is_leaf=is_spec)
+        out = one(jax.tree.map(first, grads), state, jax.tree.map(first, params))
         return jax.tree.map(lambda a: a[None], out)
 
     mesh = Mesh(_devices(), (AXIS,))
-    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS),) * 3, out_specs=P(AXIS)))
+    in_specs = (P(AXIS), specs, P(AXIS))
+    mapped = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(AXIS)))
+
+    def run(grads, state, params):
+        one_copy = jax.tree.map(
+            lambda sp, a: a[0] if sp == P() else a, specs, state, is_leaf=is_spec
+        )
+        return mapped(grads, one_copy, params)
+
+    return run
+
+
+def _params(dtype):
+    return {k: jnp.zeros(s, dtype) for k, s in SHAPES.items()}
 
 
 def _comparable(tree):
@@ -125,7 +145,9 @@ def _replicated_mask(name, dtype_name):
     return [s == P() for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))]
 
 
-def _assert_replicated(tree, mask=None):
+def _assert_replicated(tree, mask=None, name=None):
+    if name in WITH_PARAMS:  # local steps: each worker's update moves its own params
+        return
     leaves = jax.tree.leaves(_comparable(tree))
     mask = [True] * len(leaves) if mask is None else mask
     assert len(mask) == len(leaves)
@@ -182,15 +204,15 @@ def test_finite_refused_and_replicated_in_every_form(name, form, dtype_name):
 
     updates, state = step(_grads("moderate", dtype), state, params)
     assert _finite(updates) and _finite(state), (name, form, dtype_name)
-    _assert_replicated(updates)
+    _assert_replicated(updates, name=name)
     _assert_replicated(state, mask)
 
     top_updates, top_state = step(_grads("top", dtype), state, params)
     assert _finite(top_state), (name, form, dtype_name)
     assert _finite(top_updates) or _refused(top_updates, state, top_state)
-    _assert_replicated(top_updates)
+    _assert_replicated(top_updates, name=name)
     _assert_replicated(top_state, mask)
 
     nan_updates, nan_state = step(_grads("nan", dtype), state, params)
     assert _refused(nan_updates, state, nan_state), (name, form, dtype_name)
-    _assert_replicated(nan_updates)
+    _assert_replicated(nan_updates, name=name)
