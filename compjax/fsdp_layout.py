@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax.axes import worker_index
+from compjax.transforms.per_worker_params import wide_float_leaves
 
 P = jax.P
 
@@ -151,16 +152,14 @@ def check_param_dtypes(params) -> None:
       ValueError: a float64 leaf of ``params`` (the message names its shape and
         says how to cast).
     """
-    for leaf in jax.tree.leaves(params):
-        dtype = jnp.dtype(leaf.dtype)
-        if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 4:
-            raise ValueError(
-                f"fsdp: params must be float32, bfloat16 or float16, got a {dtype} parameter of "
-                f"shape {tuple(np.shape(leaf))} (jax_enable_x64): the step compresses and "
-                f"reduces in float32; cast the params to float32 "
-                f"(jax.tree.map(lambda p: p.astype(jnp.float32), params)) before fsdp and init, "
-                f"or disable jax_enable_x64"
-            )
+    for _, leaf, dtype in wide_float_leaves(params):
+        raise ValueError(
+            f"fsdp: params must be float32, bfloat16 or float16, got a {dtype} parameter of "
+            f"shape {tuple(np.shape(leaf))} (jax_enable_x64): the step compresses and "
+            f"reduces in float32; cast the params to float32 "
+            f"(jax.tree.map(lambda p: p.astype(jnp.float32), params)) before fsdp and init, "
+            f"or disable jax_enable_x64"
+        )
 
 
 def opt_state_specs(opt, params, dims, n: int, axis_name):

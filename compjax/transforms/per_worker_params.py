@@ -28,13 +28,19 @@ def check_params_dtype(params: Any, where: str, before: str = "init") -> None:
       ValueError: a floating leaf of ``params`` is wider than float32 (the
         message names the leaf, its dtype and how to cast the params).
     """
+    for path, _, dtype in wide_float_leaves(params):
+        raise ValueError(
+            f"{where}: params must be float32, bfloat16 or float16, got {dtype} at "
+            f"params{jax.tree_util.keystr(path)} (jax_enable_x64): the global params, "
+            f"the memories and the pseudo-gradients are float32; cast the params to "
+            f"float32 (jax.tree.map(lambda p: p.astype(jnp.float32), params)) before "
+            f"{before}, or disable jax_enable_x64"
+        )
+
+
+def wide_float_leaves(params: Any):
+    """``(path, leaf, dtype)`` of each floating leaf of ``params`` wider than float32."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
         dtype = jnp.dtype(leaf.dtype) if hasattr(leaf, "dtype") else jnp.result_type(leaf)
         if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 4:
-            raise ValueError(
-                f"{where}: params must be float32, bfloat16 or float16, got {dtype} at "
-                f"params{jax.tree_util.keystr(path)} (jax_enable_x64): the global params, "
-                f"the memories and the pseudo-gradients are float32; cast the params to "
-                f"float32 (jax.tree.map(lambda p: p.astype(jnp.float32), params)) before "
-                f"{before}, or disable jax_enable_x64"
-            )
+            yield path, leaf, dtype
