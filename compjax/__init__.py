@@ -3,11 +3,19 @@
 Compressors are immutable values built by the factories below; each has
 ``compress(key, x) -> Payload``, ``decompress(payload) -> Array`` and its
 theory (``unbiased``, ``omega(d)``, ``delta(d)``, ``linear``, ``bits(shape)``).
+
+``__all__`` lists what a user calls: the compressors, the optax
+transformations, the steps and the accounting.  The classes those return
+(states, steps, reports) live under their modules: ``compjax.transforms.diana.DianaState``,
+``compjax.steps.fsdp_state.FSDP``, ``compjax.accounting.CommunicationReport``; the
+names below them stay reachable here too (``compjax.DianaState``).  The
+packages: :mod:`compjax.compressors`, :mod:`compjax.exchange`,
+:mod:`compjax.transforms`, :mod:`compjax.steps`, :mod:`compjax.advise`,
+:mod:`compjax.dad` (``docs/development.md`` draws the layers).
 """
 
-from compjax import collectives, dct, exchange, hadamard, merges, nnx, sharded
+from compjax import _moved, collectives, dct, exchange, hadamard, merges
 from compjax.accounting import CommunicationReport, communication
-from compjax.auto import Auto, AutoReport, AutoState, auto
 from compjax.collectives import worker_params
 from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
@@ -31,10 +39,14 @@ from compjax.compressors.sparse import rand_k, top_k
 from compjax.compressors.terngrad import terngrad, terngrad_omega
 from compjax.dad import dad_communication, dad_grads, rank_dad_grads
 from compjax.exchange import Exchange, compressed_mean, compressed_reduce_scatter, hierarchical
-from compjax.local_steps import LocalSteps, local_steps
 from compjax.payload import Payload, wire_bits
-from compjax.sharded import FSDP, FSDPState, fsdp, fsdp_specs
-from compjax.step import DataParallel, data_parallel
+from compjax.steps import fsdp as sharded
+from compjax.steps import nnx
+from compjax.steps.auto import Auto, AutoReport, AutoState, auto
+from compjax.steps.data_parallel import DataParallel, data_parallel
+from compjax.steps.fsdp import fsdp, fsdp_specs
+from compjax.steps.fsdp_state import FSDP, FSDPState
+from compjax.steps.local_steps import LocalSteps, local_steps
 from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
 from compjax.transforms.demo import DeMoState, demo, scale_by_demo
@@ -59,36 +71,49 @@ from compjax.transforms.zero_one_adam import (
 )
 from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
+_moved.install(shadowed=("compjax.auto", "compjax.local_steps"))
+
 __version__ = "0.1.0"
 
+#: The classes and modules reachable here but not listed in ``__all__``.
+BELOW = (
+    Auto,
+    AutoReport,
+    AutoState,
+    CommunicationReport,
+    CompressState,
+    Compressor,
+    DGCState,
+    DataParallel,
+    DeMoState,
+    DiLoCoState,
+    DianaState,
+    EF21State,
+    ErrorFeedbackState,
+    Exchange,
+    FSDP,
+    FSDPState,
+    LocalSteps,
+    OnebitAdamState,
+    Payload,
+    PowerSGDState,
+    SignVoteState,
+    StreamingDiLoCoState,
+    StromState,
+    TernGradState,
+    VarianceBasedState,
+    ZeroOneAdamLocalState,
+    ZeroOneAdamState,
+    collectives,
+    dct,
+    exchange,
+    hadamard,
+    merges,
+    nnx,
+    sharded,
+)
+
 __all__ = [
-    "FSDP",
-    "Auto",
-    "AutoReport",
-    "AutoState",
-    "CommunicationReport",
-    "CompressState",
-    "Compressor",
-    "DGCState",
-    "DataParallel",
-    "DeMoState",
-    "DiLoCoState",
-    "DianaState",
-    "EF21State",
-    "ErrorFeedbackState",
-    "Exchange",
-    "FSDPState",
-    "LocalSteps",
-    "OnebitAdamState",
-    "Payload",
-    "PowerSGDState",
-    "SignVoteState",
-    "StreamingDiLoCoState",
-    "StromState",
-    "TernGradState",
-    "VarianceBasedState",
-    "ZeroOneAdamLocalState",
-    "ZeroOneAdamState",
     "atomo",
     "atomo_svd",
     "auto",
@@ -96,7 +121,6 @@ __all__ = [
     "cast",
     "chain",
     "chunked_top_k",
-    "collectives",
     "communication",
     "compress",
     "compressed_mean",
@@ -104,7 +128,6 @@ __all__ = [
     "dad_communication",
     "dad_grads",
     "data_parallel",
-    "dct",
     "demo",
     "dgc",
     "diana",
@@ -113,11 +136,9 @@ __all__ = [
     "eden",
     "ef21",
     "error_feedback",
-    "exchange",
     "fsdp",
     "fsdp_specs",
     "global_params",
-    "hadamard",
     "hierarchical",
     "identity",
     "int_quant",
@@ -126,12 +147,10 @@ __all__ = [
     "int_quant_rotated_omega",
     "l2_scaled_sign",
     "local_steps",
-    "merges",
     "mx",
     "natural",
     "natural_dithering",
     "natural_dithering_omega",
-    "nnx",
     "onebit_adam",
     "per_example_grads",
     "powersgd",
@@ -145,7 +164,6 @@ __all__ = [
     "scale_by_zero_one_adam",
     "scaled",
     "scaled_sign",
-    "sharded",
     "sign",
     "sign_majority_vote",
     "sparseloco",

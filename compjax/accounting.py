@@ -36,11 +36,9 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-import optax
 
 from compjax import collectives
 from compjax.collectives import AxisName, _names, recording
-from compjax.sharded import FSDP
 
 #: Kinds of the messages a hierarchical exchange sends over its fast axis.
 FAST_PREFIX = "fast_"
@@ -128,7 +126,7 @@ class CommunicationReport(NamedTuple):
 
     @property
     def fast_gather_bits(self) -> float:
-        """Bits of :attr:`gather_bits` over the fast axis (:mod:`compjax.hpz`; 0 on one axis)."""
+        """Bits of :attr:`gather_bits` over the fast axis (:mod:`compjax.steps.hpz`; 0 on one axis)."""
         return sum(b for kind, b in self.messages if kind == FAST_PREFIX + GATHER_KIND)
 
     @property
@@ -252,8 +250,14 @@ def _traced(step, batched, isolate: bool) -> list:
         return pool.submit(trace).result()
 
 
+def _exposes_exchange(tx: Any) -> bool:
+    """Whether ``tx`` is a step that exposes its exchange and parameter specs (not a
+    transformation, which :func:`communication` runs through ``init`` and ``update``)."""
+    return callable(getattr(tx, "exchange", None)) and hasattr(tx, "param_specs")
+
+
 def communication(
-    tx: optax.GradientTransformation | FSDP,
+    tx: Any,
     params: Any,
     axis_name: AxisName = "data",
     num_workers: int | tuple[int, ...] | None = None,
@@ -266,7 +270,10 @@ def communication(
     Args:
       tx: any optax transformation containing compjax transformations
         (chains, wrappers); transformations that send nothing count zero.
-        Or a :func:`compjax.fsdp` step (its :class:`compjax.FSDP`): the
+        Or a step that exposes its messages: any object with an
+        ``exchange(shards) -> grad_shards`` (one step's messages in a worker's
+        view) and the ``param_specs`` its params are split by, as a
+        :func:`compjax.fsdp` step (its :class:`compjax.FSDP`) does: the
         parameter gather (:attr:`CommunicationReport.gather_bits`) and the
         gradient exchange (:attr:`CommunicationReport.gradient_bits`) of one
         step, against the dense baseline of a ring all-reduce of the
@@ -308,9 +315,9 @@ def communication(
             specs,
         )
     dense_shapes = shapes
-    if isinstance(tx, FSDP):
+    if _exposes_exchange(tx):
         if specs is not None:
-            raise ValueError("specs=: a compjax.fsdp step carries its own param_specs")
+            raise ValueError("specs=: a step with an exchange carries its own param_specs")
         step = tx.exchange
         shapes = jax.tree.map(
             lambda s, spec: jax.ShapeDtypeStruct(

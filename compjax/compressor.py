@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from compjax.draws import raw_key as raw_key
 from compjax.numerics import divide, ldexp, opaque, to_dtype, unit_scale
 from compjax.numerics import flatten as flatten
 from compjax.payload import Payload
@@ -157,17 +158,6 @@ def require_key(key, name: str):
     return key
 
 
-def raw_key(key) -> jax.Array:
-    """The uint32 data of a PRNG key (typed keys are unwrapped; raw keys pass through).
-
-    Raw keys are plain arrays: collectives and serialisation handle them like
-    any other.  ``jax.random`` functions accept them as legacy threefry keys.
-    """
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.key_data(key)
-    return key
-
-
 def split_key(key, num: int = 2):
     """``jax.random.split`` that passes ``None`` through (deterministic compressors)."""
     if key is None:
@@ -193,7 +183,7 @@ class Compressor:
     keeps_dtype: ClassVar[bool] = False
     # ``compress`` branches on the data (``lax.cond``), which ``jax.vmap`` would turn into
     # running every branch: the exchanges compress several blocks of it one at a time
-    # (:func:`compjax.scatter.compress_blocks`).
+    # (:func:`compjax.exchange.scatter.compress_blocks`).
     branches: ClassVar[bool] = False
 
     def flat_barrier(self, shape: tuple[int, ...]) -> bool:

@@ -192,3 +192,25 @@ def stochastic_round(key, y: jax.Array, dtype, offset: int = 0) -> jax.Array:
     other = toward.astype(jnp.float32)
     p = divide(jnp.abs(y - near), jnp.abs(other - near))
     return jnp.where(bernoulli(key, p, offset, unit=True), other, near)  # |y - near| <= gap
+
+
+def raw_key(key) -> jax.Array:
+    """The uint32 data of a PRNG key (typed keys are unwrapped; raw keys pass through).
+
+    Raw keys are plain arrays: collectives and serialisation handle them like
+    any other.  ``jax.random`` functions accept them as legacy threefry keys.
+    """
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(key)
+    return key
+
+
+def init_key(seed: int) -> jax.Array:
+    """A raw uint32 key (plain array: serialisable, all-gatherable)."""
+    return raw_key(jax.random.key(seed))
+
+
+def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:
+    """The next state key and one key per leaf for this step."""
+    next_key, step = jax.random.split(key)
+    return next_key, list(jax.random.split(step, num))

@@ -27,7 +27,7 @@ holds an Inf or NaN makes the result non-finite.  The robust merges leave
 such a worker out (its weight becomes 0, and it takes no part in the
 median): the others are merged as if it had not sent.  With every worker
 left out (or every weight 0) the result is NaN, which a finite guard
-downstream (:mod:`compjax.transforms.guards`) catches.
+downstream (:mod:`compjax.guards`) catches.
 
 References:
   Yin, Chen, Ramchandran, Bartlett, "Byzantine-Robust Distributed Learning:

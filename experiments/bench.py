@@ -24,7 +24,7 @@ reported as the median over the rounds after warm-up calls:
   ``compjax.powersgd`` against PyTorch's DDP ``powerSGD_hook`` on the same
   matrices (two workers each);
 * **top-k**: DGC's sampled threshold
-  (:func:`compjax.transforms.dgc_select.sampled_threshold_select`) against
+  (:func:`compjax.compressors.selection.sampled_threshold_select`) against
   the exact ``jax.lax.top_k`` at ratio 0.001 of ``2**24`` entries;
 * **training step**: a data-parallel MLP step over 8 simulated devices
   (``shard_map``) with ``compjax.compress(comp)`` against the same step with

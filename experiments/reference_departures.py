@@ -42,7 +42,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 import compjax
-from compjax.param_gather import dequantize_blocks, quantize_blocks
+from compjax.steps.param_gather import dequantize_blocks, quantize_blocks
 
 N_BINS, RANGE_IN_SIGMAS, BUFFER_COUNT = 256, 6.0, 2  # INTELLECT-1's compression.cpp
 QWZ_TARGET_GROUP = 8000  # DeepSpeed's CUDAQuantizer.target_group_size

@@ -52,7 +52,7 @@ from matplotlib.figure import Figure
 
 import compjax
 from compjax import costmodel
-from compjax.codec_timing import median_seconds
+from compjax.advise.codec_timing import median_seconds
 from experiments import methods, train
 from paper_figs import common
 from paper_figs.fig9_network import measured_on_network

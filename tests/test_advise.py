@@ -8,7 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compjax import advise, advise_cli, advise_fsdp, codec_timing, costmodel
+from compjax import costmodel
+from compjax.advise import advisor as advise
+from compjax.advise import cli as advise_cli
+from compjax.advise import codec_timing
+from compjax.advise import fsdp as advise_fsdp
 
 
 def test_a_parameter_count_is_a_matrix_of_1024_columns_and_the_rest():

@@ -15,7 +15,7 @@ import compjax
 
 P = jax.P
 N = 8
-AUTO = sys.modules["compjax.auto"]  # the module (compjax.auto is the function)
+AUTO = sys.modules["compjax.steps.auto"]  # the module (compjax.auto is the function)
 W0 = {"w": jnp.linspace(-0.3, 0.3, 18).reshape(6, 3), "b": jnp.zeros(3)}
 CANDIDATES = {
     "dense": optax.chain(compjax.compress(compjax.identity(), "data"), optax.sgd(0.1)),

@@ -271,7 +271,7 @@ def test_a_branching_compressors_blocks_keep_their_branches():
     on its data (``branches``): the program keeps the threshold's conditionals (batched with
     ``vmap``, each became both branches, the exact top-k fallback run on every block), with
     the same payloads as compressing each block alone."""
-    from compjax import scatter
+    from compjax.exchange import scatter
 
     assert THRESHOLD_TOP_K.branches and TOP_K.branches and not compjax.qsgd(levels=4).branches
     assert compjax.chain(THRESHOLD_TOP_K, compjax.qsgd(levels=4)).branches
@@ -495,7 +495,7 @@ def test_the_exchanges_finite_flag_says_whether_the_mean_is_finite(comp, name):
 def test_guarded_trusts_a_known_flag_and_checks_the_rest():
     """``guarded(..., finite=...)``: an update with a flag is not read again (a false flag
     refuses the step, keeping the old state); an update without one is checked."""
-    from compjax.transforms.guards import Check, guarded
+    from compjax.guards import Check, guarded
 
     ok, state, old = jnp.ones(3), {"m": jnp.full(2, 2.0)}, {"m": jnp.zeros(2)}
     check = Check(jnp.bool_(False), None)

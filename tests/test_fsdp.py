@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 
 import compjax
-from compjax.fsdp_layout import padded_shape, shard_dim
-from compjax.param_gather import dequantize_blocks, quantize_blocks
+from compjax.steps.fsdp_layout import padded_shape, shard_dim
+from compjax.steps.param_gather import dequantize_blocks, quantize_blocks
 
 P = jax.P
 N = 8

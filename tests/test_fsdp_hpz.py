@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 
 import compjax
-from compjax.param_gather import dequantize_blocks, quantize_blocks
+from compjax.steps.param_gather import dequantize_blocks, quantize_blocks
 from compjax.transforms.base import step_keys
 
 P = jax.P

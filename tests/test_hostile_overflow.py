@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import compjax
+from compjax.exchange.overflow import mean_without_overflow
 from compjax.numerics import mean_of_sum
-from compjax.overflow import mean_without_overflow
 from compjax.transforms.powersgd import orthogonalize
 
 WORKERS = 4

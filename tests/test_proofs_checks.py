@@ -134,9 +134,9 @@ def test_workers_sharing_randomness_is_caught(broken):
 @pytest.mark.slow  # 30 s: the whole two-stage module in fast mode
 def test_a_reduce_phase_that_drops_a_worker_is_caught(broken):
     """The shard owner sums n - 1 of the n decoded first-stage messages."""
-    original = compjax.scatter.decoded_sum
+    original = compjax.exchange.scatter.decoded_sum
     broken.setattr(
-        compjax.scatter,
+        compjax.exchange.scatter,
         "decoded_sum",
         lambda comp, g, n, scale=1.0: original(comp, g, n - 1, scale),
     )

@@ -21,9 +21,9 @@ default, or a floating dtype used for every leaf (:func:`check_state_dtype`,
 dtype, and the state's dtypes are fixed at ``init`` (:func:`cast_like`).
 
 Non-finite input: every step runs under the guard of
-:mod:`compjax.transforms.guards` (:func:`any_non_finite`, :func:`guarded`).
+:mod:`compjax.guards` (:func:`any_non_finite`, :func:`guarded`).
 The names of :mod:`compjax.transforms.specs` and
-:mod:`compjax.transforms.guards` are re-exported here.
+:mod:`compjax.guards` are re-exported here.
 """
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from compjax.collectives import exchange_round
-from compjax.compressor import raw_key
+from compjax.draws import init_key as init_key
+from compjax.draws import step_keys as step_keys
 from compjax.exchange import keeps_memory
+from compjax.guards import Check as Check
+from compjax.guards import all_finite as all_finite
+from compjax.guards import any_non_finite as any_non_finite
+from compjax.guards import guarded as guarded
+from compjax.guards import saturated as saturated
 from compjax.transforms.buckets import Buckets
-from compjax.transforms.guards import Check as Check
-from compjax.transforms.guards import all_finite as all_finite
-from compjax.transforms.guards import any_non_finite as any_non_finite
-from compjax.transforms.guards import guarded as guarded
-from compjax.transforms.guards import saturated as saturated
 from compjax.transforms.specs import NNX_SPEC as NNX_SPEC
 from compjax.transforms.specs import is_marked as is_marked
 from compjax.transforms.specs import spec_axes
@@ -65,11 +66,6 @@ def counted(update_fn: Callable) -> Callable:
             return update_fn(updates, state, params)
 
     return update
-
-
-def init_key(seed: int) -> jax.Array:
-    """A raw uint32 key (plain array: serialisable, all-gatherable)."""
-    return raw_key(jax.random.key(seed))
 
 
 class Leaves:
@@ -206,12 +202,6 @@ def check_grouping(flatten: bool, bucket_size: int | None) -> None:
         raise ValueError(f"bucket_size must be a positive integer or None, got {bucket_size!r}")
     if flatten:
         raise ValueError("bucket_size: give either flatten=True or bucket_size, not both")
-
-
-def step_keys(key: jax.Array, num: int) -> tuple[jax.Array, list[jax.Array]]:
-    """The next state key and one key per leaf for this step."""
-    next_key, step = jax.random.split(key)
-    return next_key, list(jax.random.split(step, num))
 
 
 def check_state_dtype(state_dtype: Any) -> np.dtype | None:

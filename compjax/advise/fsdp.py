@@ -22,7 +22,7 @@ import optax
 
 import compjax
 from compjax import costmodel
-from compjax.advise import AXIS, _positive, as_params, messages
+from compjax.advise.advisor import AXIS, _positive, as_params, messages
 
 #: The sharded-training (FSDP) steps :func:`advise_fsdp` costs: :func:`compjax.fsdp`'s
 #: keyword arguments (dense float32 first).

@@ -4,7 +4,7 @@
 in which each worker keeps only its shard of every large parameter and of
 its optimizer state.  Each step, every worker
 
-1. all-gathers the parameters (optionally compressed: :mod:`compjax.param_gather`,
+1. all-gathers the parameters (optionally compressed: :mod:`compjax.steps.param_gather`,
    ZeRO++'s quantized weights), computes the loss and gradient of its own
    batch at the gathered parameters,
 2. receives only the mean gradient of the shard it owns
@@ -18,7 +18,7 @@ largest dimension divisible by the number of workers, else the largest
 dimension, padded with zeros to a multiple of it; leaves smaller than
 ``min_size`` entries stay replicated).  On a
 ``(slow, fast)`` pair of axes the gather and the reduce-scatter each take
-two stages, and only the slow stages are compressed (:mod:`compjax.hpz`,
+two stages, and only the slow stages are compressed (:mod:`compjax.steps.hpz`,
 ZeRO++'s hpZ).
 
 References:
@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import collectives, hpz
+from compjax import collectives
 from compjax.collectives import (
     any_worker,
     check_local_loss,
@@ -52,8 +52,12 @@ from compjax.collectives import (
 )
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
+from compjax.draws import init_key, step_keys
 from compjax.exchange import compressed_reduce_scatter
-from compjax.fsdp_layout import (
+from compjax.exchange.scatter import shared_scales
+from compjax.guards import all_finite, any_non_finite
+from compjax.steps import hpz
+from compjax.steps.fsdp_layout import (
     check_param_dtypes,
     fsdp_specs,
     opt_state_specs,
@@ -64,10 +68,8 @@ from compjax.fsdp_layout import (
     to_stored,
     without_padding,
 )
-from compjax.fsdp_state import FSDP, FSDPState
-from compjax.param_gather import GATHERS, gathered
-from compjax.scatter import shared_scales
-from compjax.transforms.base import all_finite, any_non_finite, init_key, step_keys
+from compjax.steps.fsdp_state import FSDP, FSDPState
+from compjax.steps.param_gather import GATHERS, gathered
 
 P = jax.P
 
@@ -118,7 +120,7 @@ def fsdp(
       axis_name: the data-parallel mesh axis, over which the shards are split;
         or a pair ``(slow, fast)`` of axes (``("hosts", "local")``: hosts
         over a network, chips in a host), over both of which the shards are
-        split (:mod:`compjax.hpz`): the parameters are gathered over
+        split (:mod:`compjax.steps.hpz`): the parameters are gathered over
         ``slow`` (compressed as ``gather`` says) and then over ``fast``
         (exact), and the gradient reduce-scattered over ``fast`` (exact)
         and then, only the ``1/L`` each worker's host reduced, over ``slow``
@@ -137,7 +139,7 @@ def fsdp(
         parameter shard it serves.
       gather: how the parameters are all-gathered: ``None`` (exact), ``"int8"``
         (blockwise int8 with one float32 step per ``gather_block`` entries, or
-        per shard if smaller: :func:`compjax.param_gather.quantize_blocks`),
+        per shard if smaller: :func:`compjax.steps.param_gather.quantize_blocks`),
         or a cast to ``"bfloat16"``, ``"float16"`` or ``"float8_e4m3fn"``
         (saturating).  The shards themselves stay
         exact; only the forward and backward passes see the decoded weights.
@@ -187,7 +189,7 @@ def fsdp(
         raise ValueError(f"min_size must be a non-negative integer, got {min_size!r}")
     comp = identity() if compressor is None else compressor
     # The compressed stages run over ``slow`` (the only axis of a flat step); a pair adds the
-    # exact ``fast`` stages, and its shards are laid out local-major (see compjax.hpz).
+    # exact ``fast`` stages, and its shards are laid out local-major (see compjax.steps.hpz).
     slow, fast = names if len(names) == 2 else (names[0], None)
     shard_axes = slow if fast is None else (fast, slow)
     batch_axes = slow if fast is None else names  # host-major: a host's rows are contiguous

@@ -1,5 +1,5 @@
 """The command line of :mod:`compjax.advise` (``python -m compjax.advise``), replicated data
-parallelism and, with ``--fsdp``, sharded training (:mod:`compjax.advise_fsdp`)."""
+parallelism and, with ``--fsdp``, sharded training (:mod:`compjax.advise.fsdp`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import jax
 
-from compjax import advise
-from compjax.advise_fsdp import advise_fsdp, fsdp_recommendation, fsdp_table
-from compjax.codec_timing import CLOCK_CHOICES, SAMPLE_ENTRIES, resolve_clock
+from compjax.advise import advisor as advise
+from compjax.advise.codec_timing import CLOCK_CHOICES, SAMPLE_ENTRIES, resolve_clock
+from compjax.advise.fsdp import advise_fsdp, fsdp_recommendation, fsdp_table
 
 
 def _flag(kind: type, least: float, *, above: bool = False):

@@ -20,7 +20,9 @@ import numpy as np
 import optax
 
 from compjax.collectives import check_local_loss, num_workers, psum
-from compjax.transforms.base import all_finite, state_specs
+from compjax.guards import all_finite
+from compjax.steps.scaffold import check_axis, mapped_init, mapped_step, placed
+from compjax.transforms.base import state_specs
 from compjax.transforms.diloco import worker_copies
 from compjax.transforms.per_worker_params import check_params_dtype
 
@@ -78,8 +80,7 @@ def local_steps(
         the size of ``axis_name``); or, at the first ``step``,
         ``loss_fn``'s value does not vary over ``axis_name``.
     """
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
+    check_axis(mesh, axis_name)
     check_params_dtype(params, "local_steps", "local_steps and init")
     workers = mesh.shape[axis_name]
     shapes = [tuple(np.shape(p)) for p in jax.tree.leaves(params)]
@@ -100,17 +101,6 @@ def local_steps(
         mean_loss = psum(loss, axis_name) / num_workers(axis_name)
         return jax.tree.map(lambda x: x[None], mine), state, mean_loss
 
-    def placed(tree, spec):
-        return jax.tree.map(lambda x: jax.reshard(x, jax.NamedSharding(mesh, spec)), tree)
-
-    def placed_specs(tree, spec_tree):
-        return jax.tree.map(
-            lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)),
-            tree,
-            spec_tree,
-            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-        )
-
     def check_copies(local):
         """``local`` must be the workers' copies: each leaf ``(workers, *shape)``."""
         got, tree = jax.tree_util.tree_flatten_with_path(local)
@@ -130,16 +120,11 @@ def local_steps(
                     f"{unstacked} where {(workers, *shape)} is needed"
                 )
 
+    mapped = mapped_step(local_step, mesh, split, specs, split)
+
     def step(local, state, *batch):
         check_copies(local)
-        mapped = jax.shard_map(
-            local_step,
-            mesh=mesh,
-            in_specs=(split, specs, *[split] * len(batch)),
-            out_specs=(split, specs, P()),
-        )
-        batch = [placed(b, split) for b in batch]
-        return mapped(placed(local, split), placed_specs(state, specs), *batch)
+        return mapped(local, state, *batch)
 
     def init(p):
         check_params_dtype(p, "local_steps: init", "local_steps and init")
@@ -149,8 +134,9 @@ def local_steps(
                 f"local_steps: init takes the replicated params local_steps was built for, "
                 f"of leaf shapes {shapes}; got {given} (init stacks them per worker itself)"
             )
-        p = placed(p, P())
-        mapped = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
-        return placed(worker_copies(p, mesh.shape[axis_name]), split), mapped(p)
+        p = placed(mesh, p, P())
+        return placed(mesh, worker_copies(p, workers), split), init_state(p)
+
+    init_state = mapped_init(opt.init, mesh, P(), specs)
 
     return LocalSteps(init=jax.jit(init), step=jax.jit(step), specs=specs)

@@ -20,6 +20,7 @@ import jax
 import optax
 
 from compjax.collectives import check_local_loss, worker_params
+from compjax.steps.scaffold import check_axis, mapped_init, mapped_step
 from compjax.transforms.base import state_specs
 
 
@@ -61,9 +62,7 @@ def data_parallel(
         ``step``, ``loss_fn``'s value does not vary over ``axis_name`` (it was
         reduced over the workers inside ``loss_fn``).
     """
-    if axis_name not in mesh.axis_names:
-        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}")
-    P = jax.P
+    check_axis(mesh, axis_name)
     specs = state_specs(jax.eval_shape(opt.init, params), axis_name)
 
     def local_step(p, state, *batch):
@@ -72,26 +71,6 @@ def data_parallel(
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, jax.lax.pmean(loss, axis_name)
 
-    def placed(tree, spec_tree):
-        """``tree`` resharded to ``spec_tree`` on ``mesh`` (whatever sharding it came with)."""
-        return jax.tree.map(
-            lambda x, s: jax.reshard(x, jax.NamedSharding(mesh, s)),
-            tree,
-            spec_tree,
-            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
-        )
-
-    def step(p, state, *batch):
-        in_specs = (P(), specs, *[P(axis_name)] * len(batch))
-        mapped = jax.shard_map(
-            local_step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs, P())
-        )
-        p = jax.tree.map(lambda x: placed(x, P()), p)
-        batch = [jax.tree.map(lambda x: placed(x, P(axis_name)), b) for b in batch]
-        return mapped(p, placed(state, specs), *batch)
-
-    def init(p):
-        mapped = jax.shard_map(opt.init, mesh=mesh, in_specs=P(), out_specs=specs)
-        return mapped(jax.tree.map(lambda x: placed(x, P()), p))
-
+    step = mapped_step(local_step, mesh, jax.P(), specs, jax.P(axis_name))
+    init = mapped_init(opt.init, mesh, jax.P(), specs)
     return DataParallel(init=jax.jit(init), step=jax.jit(step), specs=specs)

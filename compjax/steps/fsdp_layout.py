@@ -56,7 +56,7 @@ def fsdp_specs(
       num_shards: the number of workers along ``axis_name``.
       axis_name: the data-parallel mesh axis, or a tuple of axes, major
         first (:func:`compjax.fsdp` on a ``(slow, fast)`` pair splits over
-        ``(fast, slow)``: :mod:`compjax.hpz`).
+        ``(fast, slow)``: :mod:`compjax.steps.hpz`).
       min_size: leaves with fewer entries stay replicated.
 
     Returns:

@@ -12,7 +12,7 @@ the axes' names and their number of workers ``n``:
 * :func:`summed_mean`: a ``summable`` compressor's integer codes for one
   shared scale (``pmax``), summed by ``psum``;
 * :func:`scatter_gathered`: the compressed all-reduce of ``"scatter_gather"``,
-  the scatter half (:func:`compjax.scatter.scatter`) followed by a second
+  the scatter half (:func:`compjax.exchange.scatter.scatter`) followed by a second
   compression and an all-gather.
 
 The second compression of ``"scatter_gather"``.  Worker ``j`` holds
@@ -48,9 +48,9 @@ import jax.numpy as jnp
 
 from compjax import collectives
 from compjax.collectives import record, worker_index
-from compjax.overflow import mean_without_overflow, prescale
+from compjax.exchange.overflow import mean_without_overflow, prescale
+from compjax.exchange.scatter import block_of, decoded_sum, placed_block, scatter, widened
 from compjax.pieces import Pieces
-from compjax.scatter import block_of, decoded_sum, placed_block, scatter, widened
 
 
 def compress_message(comp, key, x):
@@ -69,7 +69,7 @@ def gathered_mean(comp, key, x, names, n, guard=True):
     """All-gather (or, for a linear compressor, psum): ``(mean over workers, own payload, finite)``.
 
     ``finite``: whether the mean is finite, from the overflow check
-    (:func:`compjax.overflow.mean_without_overflow`); ``None`` unguarded.
+    (:func:`compjax.exchange.overflow.mean_without_overflow`); ``None`` unguarded.
     """
     if comp.linear:
 
@@ -133,7 +133,7 @@ def scatter_gathered(comp, key, flat, memory, names, n):
     """Compressed all-reduce of a flat array: ``(sum over workers, local, new memory)``.
 
     See the module docstring: shards compressed and all-to-all-ed, decoded
-    and summed by their owner (:func:`compjax.scatter.scatter`), compressed again (with the
+    and summed by their owner (:func:`compjax.exchange.scatter.scatter`), compressed again (with the
     owner's memory for a biased compressor) and all-gathered.
     """
     d = flat.shape[0]

@@ -10,7 +10,7 @@ The arrays stay ordinary global arrays (orbax saves and restores them onto
 any mesh).  Each step, every worker
 
 * **gathers the parameters in two stages**: its block over the slow axis,
-  compressed as ``gather=`` says (:func:`compjax.param_gather.gathered`;
+  compressed as ``gather=`` says (:func:`compjax.steps.param_gather.gathered`;
   ZeRO++'s qwZ), which gives the ``l``-th ``1/L`` of the leaf, decoded: the
   node-level *secondary shard* of hpZ; then that secondary shard over the
   fast axis, exact, in the parameter's dtype (:func:`fast_gathered`);

@@ -42,10 +42,10 @@ over dense float32's (from ``make bench-e2e``'s table or your own runs);
 every method's time to quality is then ``X * step``, and the speedups,
 crossovers and the recommendation are about that time, not the step's.
 
-The advice itself (:class:`~compjax.advise_report.Advice`) and its text (the table and
-the recommendation) are :mod:`compjax.advise_report`, re-exported here.  Sharded training
-(``--fsdp``) is costed by :mod:`compjax.advise_fsdp`; the command line is
-:mod:`compjax.advise_cli`.
+The advice itself (:class:`~compjax.advise.report.Advice`) and its text (the table and
+the recommendation) are :mod:`compjax.advise.report`, re-exported here.  Sharded training
+(``--fsdp``) is costed by :mod:`compjax.advise.fsdp`; the command line is
+:mod:`compjax.advise.cli`.
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ import optax
 
 import compjax
 from compjax import costmodel
-from compjax.advise_report import BF16 as BF16
-from compjax.advise_report import DENSE as DENSE
-from compjax.advise_report import Advice as Advice
-from compjax.advise_report import crossover_text as crossover_text
-from compjax.advise_report import recommendation as recommendation
-from compjax.advise_report import table as table
-from compjax.codec_timing import CLOCK_CHOICES, COLUMNS, SAMPLE_ENTRIES, time_updates
+from compjax.advise.codec_timing import CLOCK_CHOICES, COLUMNS, SAMPLE_ENTRIES, time_updates
+from compjax.advise.report import BF16 as BF16
+from compjax.advise.report import DENSE as DENSE
+from compjax.advise.report import Advice as Advice
+from compjax.advise.report import crossover_text as crossover_text
+from compjax.advise.report import recommendation as recommendation
+from compjax.advise.report import table as table
 
 AXIS = "data"
 #: ``communication()``'s routes to the cost model's collectives.
@@ -193,7 +193,7 @@ def advise(
       sample_entries: the most entries of each leaf of the timed sample (:func:`sample_tree`).
       clock: ``"wall"``, ``"process"`` (CPU time; see :func:`time_updates`) or ``"auto"``:
         the process clock on a CPU, the wall clock on an accelerator
-        (:func:`~compjax.codec_timing.resolve_clock`).
+        (:func:`~compjax.advise.codec_timing.resolve_clock`).
       timer: ``timer(txs, params, repeats, sample_entries, clock)``: ``{name:
         seconds per round}`` of one worker's update (:func:`time_updates`).
       steps_factor: ``{method: its steps to a quality target over dense float32's}``
@@ -201,7 +201,7 @@ def advise(
         recommendation are then about the time to the target.
 
     Returns:
-      One :class:`~compjax.advise_report.Advice` per method, dense float32 first.
+      One :class:`~compjax.advise.report.Advice` per method, dense float32 first.
 
     Raises:
       ValueError: a bad argument, naming it.
@@ -274,11 +274,3 @@ def advise(
             )
         out.append(advice)
     return out
-
-
-if __name__ == "__main__":
-    # ``python -m compjax.advise``: the command line lives in compjax.advise_cli, which also
-    # serves the sharded-training mode (compjax.advise_fsdp).
-    from compjax.advise_cli import main
-
-    raise SystemExit(main())

@@ -29,11 +29,11 @@ takes one as ``exchange=``; the default is ``"all_gather"``):
 How each flat exchange travels, and the second compression of
 ``"scatter_gather"`` (its error memory for a biased compressor, its exact
 variance for an unbiased one: :func:`two_stage_variance`), are
-:mod:`compjax.flat_exchange`; this module chooses among them.
+:mod:`compjax.exchange.flat`; this module chooses among them.
 
 ``Exchanged.local`` is this worker's part of the exchange, defined so that
 (``S_j`` the first-stage sum of shard ``j`` and ``m_j`` its owner's memory,
-as in :mod:`compjax.flat_exchange`)
+as in :mod:`compjax.exchange.flat`)
 ``sum_i local_i + sum_j m_j(before) = n mean + sum_j m_j(after)`` holds
 exactly: the decoded own message, plus (unbiased scatter-gather, no memory)
 the second-stage residual ``C_2(S_j) - S_j`` of the shard it owns, and
@@ -68,14 +68,11 @@ import jax.numpy as jnp
 from compjax import collectives
 from compjax.collectives import AxisName, num_workers, record, worker_index
 from compjax.compressor import Compressor
-from compjax.flat_exchange import gathered_mean, scatter_gathered, summed_mean
-from compjax.flat_exchange import two_stage_bound as two_stage_bound
-from compjax.flat_exchange import two_stage_variance as two_stage_variance
-from compjax.numerics import to_dtype
-from compjax.overflow import rescaled_if_overflow
-from compjax.payload import Payload
-from compjax.pieces import Pieces, split
-from compjax.scatter import (
+from compjax.exchange.flat import gathered_mean, scatter_gathered, summed_mean
+from compjax.exchange.flat import two_stage_bound as two_stage_bound
+from compjax.exchange.flat import two_stage_variance as two_stage_variance
+from compjax.exchange.overflow import rescaled_if_overflow
+from compjax.exchange.scatter import (
     block_of,
     linear_scatter,
     padded_to,
@@ -84,6 +81,9 @@ from compjax.scatter import (
     summable,
     summed_scatter,
 )
+from compjax.numerics import to_dtype
+from compjax.payload import Payload
+from compjax.pieces import Pieces, split
 
 KINDS = ("all_gather", "scatter_gather")
 
@@ -175,8 +175,8 @@ class Exchanged:
     #: compressor); else ``None`` (scatter-gather, hierarchical, pieces, summable).
     message: tuple[Compressor, Payload] | None = None
     #: Whether ``mean`` is finite (a scalar), where the overflow check already
-    #: knows (:func:`compjax.overflow.once_more_if_not_finite`): the guard then
-    #: skips its own pass over the mean (:func:`compjax.transforms.guards.guarded`).
+    #: knows (:func:`compjax.exchange.overflow.once_more_if_not_finite`): the guard then
+    #: skips its own pass over the mean (:func:`compjax.guards.guarded`).
     #: ``None`` on one worker and where the mean is unrotated after the check.
     finite: jax.Array | None = None
 
@@ -267,7 +267,7 @@ def _exchanged_pieces(comp, key, pieces: Pieces, names, fast, kind, memory) -> E
 
 def _exchanged(comp, key, x, names, fast, kind, memory, guard):
     """:func:`compressed_mean` after its checks.  ``guard``: a sum that overflows float32 is
-    resent pre-scaled (:mod:`compjax.overflow`); off for the slow stage of a hierarchical
+    resent pre-scaled (:mod:`compjax.exchange.overflow`); off for the slow stage of a hierarchical
     exchange, whose whole run is guarded once."""
     n = num_workers(names)
     if n == 1:
@@ -344,7 +344,7 @@ def compressed_reduce_scatter(
       x: this worker's array.
       axis_name: every data-parallel axis (a name or a tuple of names).
       scale: for a ``summable`` compressor, the shared scale if already agreed
-        (:func:`compjax.scatter.shared_scales`, one ``pmax`` for many arrays); ``None``
+        (:func:`compjax.exchange.scatter.shared_scales`, one ``pmax`` for many arrays); ``None``
         agrees on it here.
 
     Returns:

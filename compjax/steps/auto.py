@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from compjax import collectives
-from compjax.step import data_parallel
+from compjax.steps.data_parallel import data_parallel
 
 P = jax.P
 

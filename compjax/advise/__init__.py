@@ -1,0 +1,42 @@
+"""Will compression pay on my setup?  ``python -m compjax.advise`` or :func:`advise`.
+
+The package, top to bottom:
+
+* :mod:`compjax.advise.cli`: the command line (replicated data parallelism, and sharded
+  training with ``--fsdp``);
+* :mod:`compjax.advise.fsdp`: the same question for :func:`compjax.fsdp` steps;
+* :mod:`compjax.advise.advisor`: :func:`advise`, each method's predicted step time;
+* :mod:`compjax.advise.report`: the answer (:class:`Advice`), its table and recommendation;
+* :mod:`compjax.advise.codec_timing`: one worker's update timed on a sample, scaled by size.
+"""
+
+from compjax.advise.advisor import (
+    AXIS,
+    COLLECTIVES,
+    advise,
+    as_params,
+    crossover,
+    messages,
+    methods,
+)
+from compjax.advise.cli import main
+from compjax.advise.fsdp import advise_fsdp
+from compjax.advise.report import BF16, DENSE, Advice, crossover_text, recommendation, table
+
+__all__ = [
+    "AXIS",
+    "BF16",
+    "COLLECTIVES",
+    "DENSE",
+    "Advice",
+    "advise",
+    "advise_fsdp",
+    "as_params",
+    "crossover",
+    "crossover_text",
+    "main",
+    "messages",
+    "methods",
+    "recommendation",
+    "table",
+]
