@@ -145,7 +145,7 @@ def _scatter_gather(comp, xs, keys):
 
         decoded = jax.vmap(stage_1)(jnp.arange(n), shards)  # (worker i, shard j, m)
         s = decoded[0]
-        for i in range(1, n):  # in the order of compjax.scatter.decoded_sum
+        for i in range(1, n):  # in the order of compjax.exchange.scatter.decoded_sum
             s = s + decoded[i]
         # Exchanged.local of worker i: C_1(x_i^j) on shards j != i, and
         # C_1(x_i^i) + C_2(S_i) - S_i on its own shard, where C_2(S_i) = n mean^i.
