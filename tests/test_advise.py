@@ -8,8 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from compjax import costmodel
-from compjax.advise import advisor as advise
+from compjax import advise, costmodel
 from compjax.advise import cli as advise_cli
 from compjax.advise import codec_timing
 from compjax.advise import fsdp as advise_fsdp

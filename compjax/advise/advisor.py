@@ -43,7 +43,7 @@ every method's time to quality is then ``X * step``, and the speedups,
 crossovers and the recommendation are about that time, not the step's.
 
 The advice itself (:class:`~compjax.advise.report.Advice`) and its text (the table and
-the recommendation) are :mod:`compjax.advise.report`, re-exported here.  Sharded training
+the recommendation) are :mod:`compjax.advise.report`.  Sharded training
 (``--fsdp``) is costed by :mod:`compjax.advise.fsdp`; the command line is
 :mod:`compjax.advise.cli`.
 """
@@ -60,15 +60,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import compjax
 from compjax import costmodel
+from compjax.accounting import CommunicationReport, communication
 from compjax.advise.codec_timing import CLOCK_CHOICES, COLUMNS, SAMPLE_ENTRIES, time_updates
-from compjax.advise.report import BF16 as BF16
-from compjax.advise.report import DENSE as DENSE
-from compjax.advise.report import Advice as Advice
-from compjax.advise.report import crossover_text as crossover_text
-from compjax.advise.report import recommendation as recommendation
-from compjax.advise.report import table as table
+from compjax.advise.report import BF16, DENSE, Advice
+from compjax.compressors.dense import cast, identity
+from compjax.compressors.qsgd import qsgd
+from compjax.compressors.sparse import top_k
+from compjax.transforms.compress import compress
+from compjax.transforms.error_feedback import error_feedback
+from compjax.transforms.powersgd import powersgd
+from compjax.transforms.sign_vote import sign_majority_vote
+from compjax.transforms.terngrad_allreduce import terngrad_allreduce
 
 AXIS = "data"
 #: ``communication()``'s routes to the cost model's collectives.
@@ -84,19 +87,17 @@ def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformatio
     """The methods advised on, by name; compressed messages travel by ``exchange``."""
     via = "scatter_gather" if exchange == "scatter_gather" else "all_gather"
     return {
-        DENSE: lambda: compjax.compress(compjax.identity(), AXIS),
-        BF16: lambda: compjax.compress(compjax.cast("bfloat16"), AXIS),
-        "TernGrad (int8 psum)": lambda: compjax.terngrad_allreduce(AXIS),
-        "QSGD 4-bit": lambda: compjax.compress(compjax.qsgd(levels=7), AXIS, exchange=exchange),
-        "EF top-k 1%": lambda: compjax.error_feedback(
-            compjax.top_k(ratio=0.01), AXIS, exchange=exchange
-        ),
+        DENSE: lambda: compress(identity(), AXIS),
+        BF16: lambda: compress(cast("bfloat16"), AXIS),
+        "TernGrad (int8 psum)": lambda: terngrad_allreduce(AXIS),
+        "QSGD 4-bit": lambda: compress(qsgd(levels=7), AXIS, exchange=exchange),
+        "EF top-k 1%": lambda: error_feedback(top_k(ratio=0.01), AXIS, exchange=exchange),
         # DGC's sampled threshold: 1.3x the exact message's slots, a fraction of its codec.
-        "EF top-k 1%, threshold": lambda: compjax.error_feedback(
-            compjax.top_k(ratio=0.01, select="threshold"), AXIS, exchange=exchange
+        "EF top-k 1%, threshold": lambda: error_feedback(
+            top_k(ratio=0.01, select="threshold"), AXIS, exchange=exchange
         ),
-        "PowerSGD rank 4": lambda: compjax.powersgd(4, AXIS),
-        "sign vote": lambda: compjax.sign_majority_vote(AXIS, via=via),
+        "PowerSGD rank 4": lambda: powersgd(4, AXIS),
+        "sign vote": lambda: sign_majority_vote(AXIS, via=via),
     }
 
 
@@ -116,7 +117,7 @@ def as_params(params: Any) -> Any:
     return params
 
 
-def messages(report: compjax.CommunicationReport) -> list[tuple[str, float]]:
+def messages(report: CommunicationReport) -> list[tuple[str, float]]:
     """``(collective, payload bits per worker)`` of a report, in the cost model's names
     (the payloads: the cost model applies each collective's ring factor itself)."""
     return [(COLLECTIVES[via], float(b)) for (via, _), b in report.payload_bits_by_route().items()]
@@ -230,8 +231,7 @@ def advise(
     }
     base = compute_s + float(np.median(rounds[DENSE]))  # dense's update is in every step
     reports = {
-        name: compjax.communication(tx, concrete, AXIS, num_workers=workers)
-        for name, tx in txs.items()
+        name: communication(tx, concrete, AXIS, num_workers=workers) for name, tx in txs.items()
     }
     msgs = {name: messages(report) for name, report in reports.items()}
     lines = {name: _affine(kind, latency_us, m, workers) for name, m in msgs.items()}

@@ -13,6 +13,7 @@ import jax
 from compjax.advise import advisor as advise
 from compjax.advise.codec_timing import CLOCK_CHOICES, SAMPLE_ENTRIES, resolve_clock
 from compjax.advise.fsdp import advise_fsdp, fsdp_recommendation, fsdp_table
+from compjax.advise.report import recommendation, table
 
 
 def _flag(kind: type, least: float, *, above: bool = False):
@@ -113,6 +114,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.sample_entries:,} entries per sample leaf, scaled by size ({wall:.1f} s, "
         f"{cpu:.1f} s CPU)"
     )
-    print(advise.table(advice))
-    print(advise.recommendation(advice, args.bandwidth_gbps))
+    print(table(advice))
+    print(recommendation(advice, args.bandwidth_gbps))
     return 0

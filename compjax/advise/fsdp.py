@@ -20,21 +20,25 @@ import jax
 import numpy as np
 import optax
 
-import compjax
 from compjax import costmodel
+from compjax.accounting import communication
 from compjax.advise.advisor import AXIS, _positive, as_params, messages
+from compjax.compressors.dense import cast
+from compjax.compressors.int_quant import int_quant
+from compjax.compressors.sign import scaled_sign
+from compjax.steps.fsdp import fsdp
 
 #: The sharded-training (FSDP) steps :func:`advise_fsdp` costs: :func:`compjax.fsdp`'s
 #: keyword arguments (dense float32 first).
 FSDP_METHODS: dict[str, Callable[[], dict]] = {
     "fsdp fp32": lambda: {},
-    "fsdp bf16": lambda: {"compressor": compjax.cast("bfloat16"), "gather": "bfloat16"},
+    "fsdp bf16": lambda: {"compressor": cast("bfloat16"), "gather": "bfloat16"},
     "fsdp int8 gather + int4 grads": lambda: {
-        "compressor": compjax.int_quant(4),
+        "compressor": int_quant(4),
         "gather": "int8",
     },
     "fsdp scaled sign + EF, int8 gather": lambda: {
-        "compressor": compjax.scaled_sign(),
+        "compressor": scaled_sign(),
         "feedback": "ef",
         "gather": "int8",
     },
@@ -113,10 +117,8 @@ def advise_fsdp(
     mesh = jax.sharding.AbstractMesh((int(workers),), (AXIS,))
     out = []
     for name, kwargs in FSDP_METHODS.items():
-        fs = compjax.fsdp(
-            lambda p: 0.0, optax.sgd(0.0), params, mesh, AXIS, min_size=min_size, **kwargs()
-        )
-        report = compjax.communication(fs, params, AXIS, num_workers=int(workers))
+        fs = fsdp(lambda p: 0.0, optax.sgd(0.0), params, mesh, AXIS, min_size=min_size, **kwargs())
+        report = communication(fs, params, AXIS, num_workers=int(workers))
         comm = network.exchange(messages(report), int(workers))
         step = compute_s + comm
         fp32 = out[0].step_s if out else step
