@@ -104,6 +104,19 @@ def worker_params(tree, axis_name: AxisName):
     worker its own local gradient, which compjax then exchanges.  Under
     ``pmap`` and ``vmap`` the gradient is local anyway and this returns the
     tree as it is.
+
+    Args:
+      tree: the replicated params (any pytree of arrays).
+      axis_name: the data-parallel axis (a name or a tuple of names), or ``None`` for one
+        worker.
+
+    Returns:
+      ``tree``, its leaves marked as varying over ``axis_name`` under ``shard_map`` (the same
+      values); ``tree`` itself under ``pmap``, ``vmap`` or with ``axis_name=None``.
+
+    Raises:
+      compjax.axes.UnboundAxisError: ``axis_name`` is not bound (outside the mapped
+        function, or misspelled).
     """
     if axis_name is None:
         return tree

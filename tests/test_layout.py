@@ -176,11 +176,12 @@ def test_functions_are_short():
 def public_functions():
     """The functions a user calls: ``compjax.__all__``'s, and the advisor's and NNX's."""
     found = {f"compjax.{n}": getattr(compjax, n) for n in compjax.__all__}
-    for module in map(importlib.import_module, ("compjax.advise", "compjax.nnx")):
+    for name in ("compjax.advise", "compjax.nnx"):
+        module = importlib.import_module(name)
         for n in getattr(module, "__all__", dir(module)):
             obj = getattr(module, n)
             if inspect.isfunction(obj) and obj.__module__.startswith(module.__name__):
-                found[f"{module.__name__}.{n}"] = obj
+                found[f"{name}.{n}"] = obj
     return {n: f for n, f in found.items() if inspect.isfunction(f)}
 
 

@@ -84,7 +84,16 @@ COLLECTIVES = {
 
 
 def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformation]]:
-    """The methods advised on, by name; compressed messages travel by ``exchange``."""
+    """The methods advised on, by name.
+
+    Args:
+      exchange: how the compressed messages travel: ``"all_gather"`` or ``"scatter_gather"``
+        (the sign vote then votes by scatter-gather too).
+
+    Returns:
+      ``{name: build}``, each ``build()`` an optax transformation over :data:`AXIS`, dense
+      float32 first and bf16 second.
+    """
     via = "scatter_gather" if exchange == "scatter_gather" else "all_gather"
     return {
         DENSE: lambda: compress(identity(), AXIS),
@@ -102,7 +111,19 @@ def methods(exchange: str) -> dict[str, Callable[[], optax.GradientTransformatio
 
 
 def as_params(params: Any) -> Any:
-    """A params tree, or a parameter count as one float32 vector of that many entries."""
+    """A params tree, or a parameter count as one float32 vector of that many entries.
+
+    Args:
+      params: a pytree of arrays or ``jax.ShapeDtypeStruct``, or a whole number >= 1.
+
+    Returns:
+      ``params`` itself if a tree; for a count, ``{"matrix": (count // COLUMNS, COLUMNS)}``
+      plus ``{"rest": (count % COLUMNS,)}`` as float32 ``ShapeDtypeStruct`` s (either
+      omitted when empty).
+
+    Raises:
+      ValueError: a count that is not a whole number >= 1.
+    """
     if isinstance(params, int | float | np.integer | np.floating) and not isinstance(params, bool):
         if not (math.isfinite(params) and params >= 1 and float(params).is_integer()):
             raise ValueError(
@@ -118,8 +139,15 @@ def as_params(params: Any) -> Any:
 
 
 def messages(report: CommunicationReport) -> list[tuple[str, float]]:
-    """``(collective, payload bits per worker)`` of a report, in the cost model's names
-    (the payloads: the cost model applies each collective's ring factor itself)."""
+    """A report's messages in the cost model's terms.
+
+    Args:
+      report: what :func:`compjax.communication` returned for one step.
+
+    Returns:
+      ``[(collective, payload bits per worker)]``, the collective in the cost model's names
+      (the payloads: the cost model applies each collective's ring factor itself).
+    """
     return [(COLLECTIVES[via], float(b)) for (via, _), b in report.payload_bits_by_route().items()]
 
 
@@ -139,8 +167,16 @@ def _affine(kind: type, latency_us: float, msgs: list, workers: int) -> tuple[fl
 
 
 def crossover(dense: tuple[float, float], method: tuple[float, float]) -> tuple[float, bool]:
-    """Where ``a_m + K_m / B`` equals dense's ``a_d + K_d / B``, and whether the method pays
-    below it: ``(inf, True)`` when it pays at every bandwidth, ``(0.0, True)`` at none."""
+    """The bandwidth where a method's step time meets dense's.
+
+    Args:
+      dense: dense's ``(a_d, K_d)``: its step time is ``a_d + K_d / B`` at ``B`` Gbit/s.
+      method: the method's ``(a_m, K_m)``, likewise.
+
+    Returns:
+      ``(B, pays_below)``: the ``B`` where the two times are equal and whether the method is
+      faster below it; ``(inf, True)`` when it pays at every bandwidth, ``(0.0, True)`` at none.
+    """
     (a_d, k_d), (a_m, k_m) = dense, method
     saved, extra = k_d - k_m, a_m - a_d  # wire time saved at 1 Gbit/s, fixed time added
     if saved > 0 and extra <= 0:

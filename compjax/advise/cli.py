@@ -51,6 +51,15 @@ def _parse_steps_factors(pairs: Sequence[str]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m compjax.advise``: print the table and the recommendation.
+
+    Args:
+      argv: the command line's arguments (``sys.argv[1:]`` when ``None``); ``--help`` lists
+        them.
+
+    Returns:
+      The exit status, 0 (argparse exits with 2 on a bad argument).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m compjax.advise",
         description=advise.__doc__,

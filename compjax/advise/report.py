@@ -82,8 +82,16 @@ def _gbps(value: float) -> str:
 
 
 def crossover_text(a: Advice, *, spread: bool = False) -> str:
-    """``"below 85.3"``, ``"above 2"``, ``"any"`` or ``"none"`` (Gbit/s where it pays); with
-    ``spread``, the crossovers at the codec's most and least time after it."""
+    """Where a method pays, as text.
+
+    Args:
+      a: one method's advice.
+      spread: also give the crossovers at the codec's least and most measured time.
+
+    Returns:
+      ``"below 85.3"``, ``"above 2"``, ``"any"`` or ``"none"`` (Gbit/s where it pays), ``"-"``
+      for dense float32; with ``spread``, ``" (low to high)"`` after it where they differ.
+    """
     if a.method == DENSE:
         return "-"
     text = _gbps(a.crossover_gbps)
@@ -99,7 +107,15 @@ def _by_quality(advice: Sequence[Advice]) -> bool:
 
 
 def table(advice: Sequence[Advice]) -> str:
-    """The advice as an aligned text table (with steps factors: the times to quality too)."""
+    """The advice as an aligned text table.
+
+    Args:
+      advice: every method's :class:`Advice`, dense float32 first.
+
+    Returns:
+      The table: one row per method (bits, collectives, codec, communication and step times,
+      speedups over fp32 and bf16, where it pays); with steps factors, the times to quality too.
+    """
     quality = _by_quality(advice)
     rows = [("method", "Mbit/worker", "travels by", "codec ms (range)", "comm ms", "step ms",
              "x fp32", "x bf16")]  # fmt: skip
@@ -122,9 +138,17 @@ def table(advice: Sequence[Advice]) -> str:
 
 
 def recommendation(advice: Sequence[Advice], bandwidth_gbps: float) -> str:
-    """The answer: the method with the shortest step (with steps factors: the shortest time to
-    quality), how much it gains, where it stops paying, and which codec times were within
-    their timing noise."""
+    """The answer, in words.
+
+    Args:
+      advice: every method's :class:`Advice`, dense float32 first.
+      bandwidth_gbps: the bandwidth the advice is for.
+
+    Returns:
+      The method with the shortest step (with steps factors: the shortest time to quality),
+      how much it gains over fp32 and bf16, where it stops paying, and which codec times were
+      within their timing noise.
+    """
     quality = _by_quality(advice)
     best = min(advice, key=lambda a: a.quality_s)
     dense = advice[0]

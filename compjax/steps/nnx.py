@@ -125,6 +125,10 @@ def value_and_grad(
       wrt: the filter of the variables to differentiate.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
+    Returns:
+      ``fn(model, *args, **kwargs) -> (loss, grads)`` (``((loss, aux), grads)`` with
+      ``has_aux``): this worker's loss and the gradient of it alone.
+
     Raises:
       ValueError: (under ``shard_map``) the loss does not vary over
         ``axis_name``: ``loss_fn`` reduced it over the workers (a ``pmean``
