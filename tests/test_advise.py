@@ -10,7 +10,7 @@ import pytest
 
 from compjax import advise, costmodel
 from compjax.advise import cli as advise_cli
-from compjax.advise import codec_timing
+from compjax.advise import codec_timing, report
 from compjax.advise import fsdp as advise_fsdp
 
 
@@ -193,8 +193,8 @@ def test_codec_times_are_medians_of_paired_rounds_and_negatives_are_kept():
     )
     assert vote.step_s == pytest.approx(0.1 + 5.0 - 0.1 + vote.comm_s)  # not clipped to 0
     assert qsgd.noisy and vote.noisy and not got["bf16 cast"].noisy
-    assert "-100.0 (-200.0 to -50.0)" in advise.table(list(got.values()))
-    text = advise.recommendation(list(got.values()), 1.0)
+    assert "-100.0 (-200.0 to -50.0)" in report.table(list(got.values()))
+    text = report.recommendation(list(got.values()), 1.0)
     assert "Within timing noise" in text and "QSGD 4-bit" in text.splitlines()[-1]
 
 
@@ -212,15 +212,15 @@ def test_the_crossover_is_where_the_step_equals_dense_fp32s(shared):
         res = advise.advise(2**20, 8, scale * qsgd.crossover_gbps, 5.0, 0.05, **kwargs)
         assert (next(a for a in res if a.method == "QSGD 4-bit").speedup_fp32 > 1) == pays
     assert got["bf16 cast"].crossover_gbps == math.inf  # fewer bits and a cheaper update
-    assert advise.crossover_text(got["bf16 cast"]) == "any"
-    assert advise.crossover_text(qsgd).startswith("below ")
+    assert report.crossover_text(got["bf16 cast"]) == "any"
+    assert report.crossover_text(qsgd).startswith("below ")
 
 
 def test_the_recommendation_names_the_shortest_step():
     timer = rounds_timer({"dense fp32": [0.0] * 3})
     res = advise.advise(2**20, 8, 1.0, 5.0, 0.05, repeats=3, timer=timer)
     best = min(res, key=lambda a: a.step_s)
-    text = advise.recommendation(res, 1.0)
+    text = report.recommendation(res, 1.0)
     assert text.startswith(f"Recommendation: {best.method}, {best.speedup_fp32:.2f}x dense fp32")
     # A fast network and costly codecs: dense float32, and which method pays first below.
     costly = rounds_timer(
@@ -228,7 +228,7 @@ def test_the_recommendation_names_the_shortest_step():
         | {m: [1.0] * 3 for m in advise.methods("all_gather") if m != "dense fp32"}
     )
     res = advise.advise(2**20, 8, 100.0, 5.0, 0.05, repeats=3, timer=costly)
-    text = advise.recommendation(res, 100.0)
+    text = report.recommendation(res, 100.0)
     first = max(res[1:], key=lambda a: a.crossover_gbps)
     assert text.startswith("Recommendation: dense fp32; no method's step is shorter at 100 Gbit/s")
     assert f"the first to pay is {first.method}" in text
@@ -362,13 +362,13 @@ def test_a_steps_factor_makes_the_answer_about_time_to_quality(capsys):
         for a in advise.advise(2**20, 8, gbps, 5.0, 0.05, steps_factor=factors, **kwargs)
     }
     assert at[best].quality_fp32 == pytest.approx(1.0)
-    text = advise.recommendation(list(got.values()), 1.0)
+    text = report.recommendation(list(got.values()), 1.0)
     winner = min(got.values(), key=lambda a: a.quality_s)
     assert winner.method != best
     assert f"Recommendation: {winner.method}" in text and "time to quality" in text
-    table = advise.table(list(got.values()))
+    table = report.table(list(got.values()))
     assert "to target x fp32" in table.splitlines()[0]
-    assert "steps x" not in advise.table(list(plain.values()))
+    assert "steps x" not in report.table(list(plain.values()))
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """The documentation builds without a warning, and its API reference lists every public name.
 
-The public names are those of ``compjax.__all__`` and, for ``compjax.nnx``,
-``compjax.advise``, ``compjax.advise.report``, ``compjax.advise.fsdp``,
-``compjax.advise.cli`` and ``compjax.advise.codec_timing`` (which have no ``__all__``), every top-level
+The public names are those of ``compjax.__all__`` and ``compjax.advise.__all__`` and, for
+``compjax.nnx``, ``compjax.advise.report``, ``compjax.advise.fsdp``, ``compjax.advise.cli``
+and ``compjax.advise.codec_timing`` (which have no ``__all__``), every top-level
 function, class and constant their source defines without a leading underscore.  The
 reference lists a name with an ``autosummary`` entry (which generates its page from the
 docstring) or, for a submodule, an ``automodule`` directive.
@@ -19,13 +19,13 @@ import sys
 import pytest
 
 import compjax
+import compjax.advise
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API = DOCS / "api"
 BUILD_TIMEOUT_S = 300
 ADVISE_MODULES = (
-    "compjax.advise",
     "compjax.advise.report",
     "compjax.advise.fsdp",
     "compjax.advise.cli",
@@ -55,7 +55,8 @@ def public_names() -> set[str]:
         *map(defined_names, ADVISE_MODULES),
         defined_names("compjax.advise.codec_timing"),
     )
-    return names | defined_names("compjax.steps.nnx") | advise
+    advise |= {f"compjax.advise.{name}" for name in compjax.advise.__all__}
+    return names | defined_names("compjax.nnx") | advise
 
 
 def listed_names() -> set[str]:

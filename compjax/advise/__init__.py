@@ -19,24 +19,15 @@ from compjax.advise.advisor import (
     messages,
     methods,
 )
-from compjax.advise.cli import main
-from compjax.advise.fsdp import advise_fsdp
-from compjax.advise.report import BF16, DENSE, Advice, crossover_text, recommendation, table
 
+#: The advisor's own names; the report's, the FSDP mode's and the command line's are under
+#: their modules.
 __all__ = [
     "AXIS",
-    "BF16",
     "COLLECTIVES",
-    "DENSE",
-    "Advice",
     "advise",
-    "advise_fsdp",
     "as_params",
     "crossover",
-    "crossover_text",
-    "main",
     "messages",
     "methods",
-    "recommendation",
-    "table",
 ]
