@@ -263,3 +263,24 @@ def test_counts_match_the_traffic_bench_net_measured():
     assert all(1.0 <= r < 1.025 for r in ratios.values()), ratios
     # counting each payload once was off by the ring factors: 3x for an all-gather at n = 4
     assert old["qsgd-ag"] > 2.9 and old["fp32"] > 1.45 and old["sign-sg"] > 1.4
+
+
+def test_any_step_exposing_its_exchange_and_param_specs_is_counted():
+    """``communication`` reads a step's ``exchange`` and ``param_specs``, never its type: a
+    plain namespace holding an FSDP step's two is counted as the step itself, and a step
+    with an exchange refuses ``specs=`` (it carries its own)."""
+    import types
+
+    import optax
+
+    mesh = jax.make_mesh((8,), ("data",))
+    params = {"w": jnp.ones((16, 4)), "b": jnp.ones((3,))}
+    fs = compjax.fsdp(lambda p, x: jnp.sum(p["w"] * x), optax.sgd(0.1), params, mesh, min_size=8)
+    plain = types.SimpleNamespace(exchange=fs.exchange, param_specs=fs.param_specs)
+    assert compjax.communication(plain, params, mesh=mesh) == compjax.communication(
+        fs, params, mesh=mesh
+    )
+    got = compjax.communication(plain, params, mesh=mesh)
+    assert got.gather_bits == 7 * 2 * 4 * 32  # 7 shards of 2 rows of w gathered, b replicated
+    with pytest.raises(ValueError, match="carries its own param_specs"):
+        compjax.communication(plain, params, mesh=mesh, specs={"w": jax.P(), "b": jax.P()})
