@@ -19,17 +19,7 @@ import optax
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    check_grouping,
-    check_state_dtype,
-    counted,
-    guarded,
-    init_key,
-    step_keys,
-)
+from compjax.transforms.scaffold import Leaf, LeafStep, exchanged, leafwise
 
 
 class CompressState(NamedTuple):
@@ -84,28 +74,13 @@ def compress(
       >>> opt = optax.chain(compjax.compress(compjax.qsgd(4), "data"), optax.sgd(0.1))
     """
 
-    server = ServerMemory(comp, exchange, check_state_dtype(state_dtype))
+    sc = exchanged(
+        CompressState, comp, axis_name, flatten, bucket_size, seed, exchange, state_dtype
+    )
 
-    check_grouping(flatten, bucket_size)
+    def step(leaf: Leaf) -> LeafStep:
+        sent = compressed_mean(comp, leaf.key, leaf.update, axis_name, exchange, leaf.memory)
+        return LeafStep(sent.mean, memory=sent.memory, finite=sent.finite)
 
-    def init_fn(params):
-        return CompressState(
-            key=init_key(seed), server_error=server.init(Leaves(params, flatten, bucket_size))
-        )
-
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.messages, axis_name)
-        memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.messages))
-        # The updates as sent (buckets in pieces: no copy for an elementwise compressor).
-        sent = [
-            compressed_mean(comp, k, g, axis_name, exchange, m)
-            for k, g, m in zip(keys, leaves.messages, memories, strict=True)
-        ]
-        out = [s.mean for s in sent]
-        new_state = CompressState(key, server.write(leaves, [s.memory for s in sent], memories))
-        out, new_state = guarded(bad, out, new_state, state, [s.finite for s in sent])
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    # Buckets sent in pieces: no copy for an elementwise compressor.
+    return leafwise(sc._replace(pieces=True), step)

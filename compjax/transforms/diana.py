@@ -15,18 +15,7 @@ import optax
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    check_grouping,
-    check_state_dtype,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
-)
+from compjax.transforms.scaffold import Leaf, LeafStep, exchanged, leafwise
 
 
 class DianaState(NamedTuple):
@@ -104,45 +93,14 @@ def diana(
     if isinstance(alpha, int | float) and not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
 
-    def step_size(d: int):
-        return 1.0 / (comp.omega(d) + 1.0) if alpha is None else alpha
+    sc = exchanged(DianaState, comp, axis_name, flatten, bucket_size, seed, exchange, state_dtype)
 
-    state_dtype = check_state_dtype(state_dtype)
-    server = ServerMemory(comp, exchange, state_dtype)
-
-    check_grouping(flatten, bucket_size)
-
-    def init_fn(params):
-        leaves = Leaves(params, flatten, bucket_size)
-        return DianaState(
-            key=init_key(seed),
-            local_shift=leaves.worker_state(state_zeros(state_dtype)),
-            shift=leaves.shared_state(state_zeros(state_dtype)),
-            server_error=server.init(leaves),
+    def step(leaf: Leaf) -> LeafStep:
+        g, (hi, h) = leaf.update, leaf.state
+        a = 1.0 / (comp.omega(g.size) + 1.0) if alpha is None else alpha
+        m = compressed_mean(
+            comp, leaf.key, (g - hi).astype(g.dtype), axis_name, exchange, leaf.memory
         )
+        return LeafStep((h + m.mean).astype(g.dtype), (hi + a * m.local, h + a * m.mean), m.memory)
 
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        local = leaves.read(state.local_shift, "local_shift", per_worker=True)
-        shift = leaves.read(state.shift, "shift", per_worker=False)
-        memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        out, new_local, new_shift, new_memories = [], [], [], []
-        for k, g, hi, h, mem in zip(keys, leaves.arrays, local, shift, memories, strict=True):
-            a = step_size(g.size)
-            m = compressed_mean(comp, k, (g - hi).astype(g.dtype), axis_name, exchange, mem)
-            new_memories.append(m.memory)
-            out.append((h + m.mean).astype(g.dtype))
-            new_local.append((hi + a * m.local).astype(hi.dtype))
-            new_shift.append((h + a * m.mean).astype(h.dtype))
-        new_state = DianaState(
-            key=key,
-            local_shift=leaves.write(new_local, per_worker=True),
-            shift=leaves.write(new_shift, per_worker=False),
-            server_error=server.write(leaves, new_memories, memories),
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    return leafwise(sc, step)
