@@ -2,6 +2,8 @@
 leaves sharded over the data axis) saved and restored onto the mesh, continuing bit for bit."""
 
 import functools
+import importlib
+import pkgutil
 
 import jax
 import jax.numpy as jnp
@@ -116,10 +118,16 @@ def test_every_transformation_is_checkpointed():
     # FSDPState is the state of compjax.fsdp's step, not of a transformation: test_fsdp
     # checkpoints it; AutoState is compjax.auto's, checkpointed (chosen and mid-trial) in
     # test_auto.
-    states = [
-        n for n in compjax.__all__ if n.endswith("State") and n not in {"FSDPState", "AutoState"}
-    ]
-    exported = {getattr(compjax, n) for n in states}
+    # Every transformation's state class: the *State classes defined in compjax.transforms.
+    exported = set()
+    for info in pkgutil.iter_modules(compjax.transforms.__path__):
+        module = importlib.import_module(f"compjax.transforms.{info.name}")
+        exported |= {
+            c
+            for name, c in vars(module).items()
+            if name.endswith("State") and isinstance(c, type) and c.__module__ == module.__name__
+        }
+    assert {compjax.DianaState, compjax.DGCState} <= exported
     covered = {type(jax.eval_shape(make().init, W0)) for make in BUILDERS.values()}
     # DiLoCo trains per-worker params, checkpointed mid-round in test_diloco (Streaming
     # DiLoCo's state is DiLoCo's with one outer state per fragment), and so do 0/1 Adam's
