@@ -55,19 +55,19 @@ proofs: $(STAMP)
 ## limited to 0.1/1/10 Gbit/s (needs root for ip netns and tc; says why and exits 0 otherwise);
 ## writes results/bench_net.{json,md,png}.  ARGS=--quick: 1 Gbit/s only.
 bench-net: $(STAMP)
-	$(PY) -m experiments.bench_net $(ARGS)
+	$(PY) -m experiments.net.run $(ARGS)
 
 ## make bench-gpu: the codecs on an accelerator as a fraction of its memory bandwidth (run it on
 ## a GPU; on a CPU it reports ratios to the copy only); writes results/bench_gpu.{json,md}.
 bench-gpu: $(STAMP)
-	$(PY) -m experiments.bench_gpu $(ARGS)
+	$(PY) -m experiments.gpu.run $(ARGS)
 
 ## make bench-e2e: time to a validation-loss target on the rate-limited loopback (as root);
 ## writes results/bench_e2e.{json,md,png}.  ARGS=--sweep: the learning-rate sweep and the
-## target, in simulation (writes experiments/bench_e2e_sweep.json); ARGS=--quick: 1 Gbit/s,
+## target, in simulation (writes experiments/e2e/sweep.json); ARGS=--quick: 1 Gbit/s,
 ## dense bf16 and two methods, one seed; ARGS=--resume: reuse the timed runs results/ holds.
 bench-e2e: $(STAMP)
-	$(PY) -m experiments.bench_e2e $(ARGS)
+	$(PY) -m experiments.e2e.run $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
@@ -84,7 +84,7 @@ figures: $(STAMP)
 ## make bench: the speed benchmarks (installs the CPU PyTorch build); writes results/bench.{json,md}.
 bench: $(STAMP)
 	$(PIP) install -q torch==2.13.0
-	$(PY) -m experiments.bench
+	$(PY) -m experiments.bench.run
 
 ## make docs: the documentation (guides and the API reference from the docstrings) into
 ## docs/_build/html; every warning is an error.  make test-slow builds it too (tests/test_docs.py).

@@ -11,7 +11,7 @@ import numpy as np
 from scipy import stats
 from tqdm.auto import tqdm
 
-from experiments import train
+from experiments.harness import train
 
 OUT_DIR = pathlib.Path(__file__).parent / "out"
 # Where runs are cached; COMPJAX_RESULTS points elsewhere (e.g. an empty folder for timing).

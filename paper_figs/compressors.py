@@ -30,8 +30,8 @@ from tqdm import tqdm
 
 import compjax
 from compjax.table import catalogue
-from experiments.data import Dataset, digits
-from experiments.models import MLP, accuracy, cross_entropy
+from experiments.common.data import Dataset, digits
+from experiments.common.models import MLP, accuracy, cross_entropy
 
 SEED = 0
 STEPS = 40

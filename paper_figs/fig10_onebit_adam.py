@@ -39,7 +39,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from scipy import stats
 
-from experiments import train
+from experiments.harness import train
 from paper_figs import common
 
 NAME = "fig10_onebit_adam"

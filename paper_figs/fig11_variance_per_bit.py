@@ -50,7 +50,7 @@ from matplotlib.ticker import FuncFormatter
 from tqdm.auto import tqdm
 
 from compjax.compressors.eden import padded_size
-from experiments import data, methods
+from experiments.common import data, methods
 from paper_figs import common, compressors
 from paper_figs.fig8_frontier import pareto_front
 

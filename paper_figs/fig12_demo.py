@@ -12,7 +12,7 @@ block, majority token of 16 tokens over a vocabulary of 8, 16 sequences per
 worker per step) on 4 workers simulated with ``jax.vmap`` in one
 ``jax.lax.scan`` per run.  The harness follows every exchange with SGD,
 while the paper's baseline is AdamW, so the loop is driven here directly
-(``experiments.tasks`` gives the data, the model and the loss):
+(``experiments.harness.tasks`` gives the data, the model and the loss):
 
 * dense AdamW: the float32 mean gradient (``compress(identity())``) into
   ``optax.adamw`` (weight decay 0, as DeMo's default);
@@ -50,7 +50,7 @@ import optax
 from matplotlib.figure import Figure
 
 import compjax
-from experiments import tasks
+from experiments.harness import tasks
 from paper_figs import common
 
 NAME = "fig12_demo"

@@ -14,7 +14,7 @@ place of the outer momentum).
 
 What runs: the harness's ``char_lm`` task (its 431k-parameter causal
 transformer on Python's pydoc prose, 4 sequences of 64 characters per worker
-per step; ``experiments.tasks`` gives the data, the model and the loss) on
+per step; ``experiments.harness.tasks`` gives the data, the model and the loss) on
 4 workers simulated with ``jax.vmap``, each with its own i.i.d. shard of the
 training text, driven here directly (one ``jax.lax.scan`` per run, one
 compiled program per method reused across seeds and learning rates, which
@@ -83,7 +83,8 @@ import optax
 from matplotlib.figure import Figure
 
 import compjax
-from experiments import data, tasks
+from experiments.common import data
+from experiments.harness import tasks
 from paper_figs import common
 
 NAME = "fig13_diloco"

@@ -42,7 +42,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import compjax
-from experiments import data, methods, tasks, train
+from experiments.common import data, methods
+from experiments.harness import tasks, train
 from paper_figs import common
 
 NAME = "fig1_diana"

@@ -49,9 +49,9 @@ from matplotlib.figure import Figure
 from scipy import stats
 
 from compjax.compressors.terngrad import clip_to_std
-from experiments import tasks, train
-from experiments.config import Config
-from experiments.problem import Problem
+from experiments.harness import tasks, train
+from experiments.harness.config import Config
+from experiments.harness.problem import Problem
 from paper_figs import common
 from paper_figs.fig3_dgc import LAST_EVALS, tail_mean
 from paper_figs.fig3_dgc_scale import BATCH, EVAL_EVERY, MOMENTUM, WORKERS, scale

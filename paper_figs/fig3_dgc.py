@@ -55,7 +55,7 @@ import pathlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import train
+from experiments.harness import train
 from paper_figs import common
 
 NAME = "fig3_dgc"
@@ -75,7 +75,7 @@ CLIP_NORM = 5.0
 LAST_EVALS = 3
 #: Criterion: the full DGC's largest allowed test-accuracy gap to dense (accuracy, not points).
 TOLERANCE = 0.01
-#: MNIST-1D's training examples (``experiments.data.mnist1d``; checked by ``main``).
+#: MNIST-1D's training examples (``experiments.common.data.mnist1d``; checked by ``main``).
 MNIST1D_TRAIN = 4000
 
 

@@ -43,9 +43,9 @@ import jax
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import tasks, train
-from experiments.config import Config
-from experiments.problem import Problem
+from experiments.harness import tasks, train
+from experiments.harness.config import Config
+from experiments.harness.problem import Problem
 from paper_figs import common
 from paper_figs.fig3_dgc import CLIP_NORM, LAST_EVALS, tail_mean
 from paper_figs.fig3_dgc_scale import PAPER_COMPRESSION, steady_compression

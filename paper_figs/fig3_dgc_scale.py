@@ -41,7 +41,7 @@ import pathlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import tasks, train
+from experiments.harness import tasks, train
 from paper_figs import common
 from paper_figs.fig3_dgc import CLIP_NORM, LAST_EVALS, tail_mean
 

@@ -8,7 +8,7 @@ that ``sum p_i = s``) gives a lower variance per bit than sparsifying its
 coordinates, because minibatch gradients are close to low rank.
 
 What runs: an MNIST-1D MLP (40-128-128-10) and the 1-D CNN of
-:mod:`experiments.models` are trained with SGD for a few hundred steps; at
+:mod:`experiments.common.models` are trained with SGD for a few hundred steps; at
 a few checkpoints a weight matrix's minibatch gradient is kept (the MLP's
 128x128 hidden kernel at batch 32 and at batch 512, the CNN's second
 convolution kernel as an ``out x (width * in)`` matrix at batch 32).  On each
@@ -38,7 +38,7 @@ from matplotlib.figure import Figure
 
 import compjax
 from compjax.compressors.atomo import matrix_shape, water_fill
-from experiments import data, models
+from experiments.common import data, models
 from paper_figs import common
 
 NAME = "fig4_atomo"

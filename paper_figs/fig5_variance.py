@@ -40,7 +40,7 @@ import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import train
+from experiments.harness import train
 from paper_figs import common
 
 NAME = "fig5_variance"

@@ -42,7 +42,7 @@ import pathlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import tasks, train
+from experiments.harness import tasks, train
 from paper_figs import common
 from paper_figs.fig3_dgc import LAST_EVALS
 from paper_figs.fig3_dgc_lm import bits_per_char

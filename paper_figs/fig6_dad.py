@@ -49,7 +49,7 @@ import pathlib
 import numpy as np
 from matplotlib.figure import Figure
 
-from experiments import train
+from experiments.harness import train
 from paper_figs import common
 
 NAME = "fig6_dad"

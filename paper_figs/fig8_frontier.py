@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from experiments import train
+from experiments.harness import train
 from paper_figs import common
 
 NAME = "fig8_frontier"

@@ -1,6 +1,6 @@
 """Figure 9's measured points: ``make bench-net``'s committed run over the cost model's curves.
 
-``make bench-net`` (:mod:`experiments.bench_net`) times real training steps of
+``make bench-net`` (:mod:`experiments.net.run`) times real training steps of
 ``jax.distributed`` processes on a rate-limited loopback and, on a full run,
 commits its raw measurements as ``out/fig9_measured.json``.  This module reads
 them back for figure 9: the measured speedups drawn over the curves the same
@@ -15,7 +15,8 @@ import pathlib
 
 import numpy as np
 
-from experiments import bench_net_goals, bench_net_report
+from experiments.net import goals as bench_net_goals
+from experiments.net import report as bench_net_report
 
 #: ``make bench-net``'s committed full run (its JSON, table and figure sit side by side).
 MEASURED = "fig9_measured"

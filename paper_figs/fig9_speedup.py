@@ -16,7 +16,7 @@ What is computed (nothing is trained):
   view is the paper's; fc ``1000 x 2048`` plus biases and batch-norm vectors);
 * each method's bits per worker per step come from the payloads
   (``compjax.communication``), split into all-reduced and all-gathered bits the
-  way the harness does (``experiments.methods.Method.gathered``).  Every
+  way the harness does (``experiments.common.methods.Method.gathered``).  Every
   compjax transformation works leaf by leaf, so the bits are counted once per
   distinct shape and multiplied by its number of tensors (plus one 8-bit
   non-finite flag per step);
@@ -53,7 +53,8 @@ from matplotlib.figure import Figure
 import compjax
 from compjax import costmodel
 from compjax.advise.codec_timing import median_seconds
-from experiments import methods, train
+from experiments.common import methods
+from experiments.harness import train
 from paper_figs import common
 from paper_figs.fig9_network import measured_on_network
 
@@ -410,7 +411,7 @@ def main(out_dir: pathlib.Path = OUT_DIR) -> list[pathlib.Path]:
         f"No training. ResNet-50's {len(jax.tree.leaves(shapes))} parameter tensors "
         f"({params:,} parameters, PyTorch layouts) as `jax.ShapeDtypeStruct`; bits from "
         "`compjax.communication` per distinct shape (times its count), all-reduce vs "
-        "all-gather by `experiments.methods.parse(spec).gathered(kind)`; codec time of the "
+        "all-gather by `experiments.common.methods.parse(spec).gathered(kind)`; codec time of the "
         f"method's transformation with `axis_name=None` on one {TIMING_SHAPE[0]}×"
         f"{TIMING_SHAPE[1]} float32 gradient, jitted, median of {repeats()} runs after a "
         f"warm-up, minus dense's; `compjax.costmodel` (ring all-reduce "

@@ -4,7 +4,7 @@ Both processes run one compressed exchange; then process 1 kills itself
 (SIGKILL, as a crashed host would vanish) and process 0 enters the next
 exchange, whose gloo collective fails at once (``JaxRuntimeError``, the
 peer's socket closed).  Process 0 runs its steps inside
-:func:`experiments.launch.exit_on_peer_failure`, which says so in one line
+:func:`experiments.common.launch.exit_on_peer_failure`, which says so in one line
 and ends it; with ``--no-catch`` the error ends the interpreter, whose
 ``jax.distributed`` shutdown barrier then waits for the heartbeat timeout
 and aborts (SIGABRT, a C++ stack trace).  Process 0 prints the time of its
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import compjax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the experiments package
-from experiments.launch import exit_on_peer_failure
+from experiments.common.launch import exit_on_peer_failure
 
 P = jax.P
 

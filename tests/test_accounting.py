@@ -236,7 +236,8 @@ def test_counts_match_the_traffic_bench_net_measured():
     measured bits per worker (8 tx_bytes / steps / n, median over the rates) within 2.5% of
     ``communication()`` for every method but PowerSGD, whose 37 small all-reduces per step
     cost up to 30% more than their ring count on gloo (docs/benchmarks.md, make bench-net)."""
-    from experiments import bench_net_model, methods
+    from experiments.common import lm as bench_net_model
+    from experiments.common import methods
 
     res = json.loads(MEASURED.read_text())
     n, run = 4, res["runs"]["4"]

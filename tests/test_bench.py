@@ -7,7 +7,10 @@ import math
 
 import pytest
 
-from experiments import bench, bench_codecs, bench_report
+from experiments.bench import parts
+from experiments.bench import report as bench_report
+from experiments.common import codecs as bench_codecs
+from experiments.common import timing
 
 
 def test_resnet50_tree_has_torchvision_parameter_count():
@@ -18,7 +21,7 @@ def test_resnet50_tree_has_torchvision_parameter_count():
 
 
 def test_every_benchmarked_spec_builds_its_compressor():
-    names = [type(bench.make_compressor(c.spec)).__name__ for c in bench_codecs.CODECS]
+    names = [type(timing.make_compressor(c.spec)).__name__ for c in bench_codecs.CODECS]
     assert names == [
         "Sign",
         "ScaledSign",
@@ -74,17 +77,17 @@ def test_codec_table_decides_sections_and_goals():
 
 def test_interleaved_calls_every_function_in_rounds():
     calls = []
-    times = bench.interleaved(
+    times = timing.interleaved(
         {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1
     )
     assert calls == ["a", "b"] + ["a", "b"] * 3  # warm-up, then round by round
     assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3}
     # In batches: each round calls a function that many times, one time (the mean) recorded.
     calls.clear()
-    times = bench.interleaved({"a": lambda: calls.append("a")}, repeats=2, warmup=0, batch=4)
+    times = timing.interleaved({"a": lambda: calls.append("a")}, repeats=2, warmup=0, batch=4)
     assert calls == ["a"] * 8 and len(times["a"]) == 2
-    assert bench.ratios([2.0, 6.0], [1.0, 2.0]) == [2.0, 3.0]
-    assert bench.median([3.0, 1.0, 2.0]) == 2.0
+    assert timing.ratios([2.0, 6.0], [1.0, 2.0]) == [2.0, 3.0]
+    assert timing.median([3.0, 1.0, 2.0]) == 2.0
 
 
 def _roofline(copy, compress, decompress):
@@ -220,7 +223,7 @@ def test_the_docs_performance_table_is_one_committed_runs():
 
 @pytest.mark.slow
 def test_quick_run_writes_every_section(tmp_path):
-    """``python -m experiments.bench --quick``: every section ran (PyTorch only where it
+    """``python -m experiments.bench.run --quick``: every section ran (PyTorch only where it
     is installed), and the table has a line per goal."""
     import json
     import os
@@ -230,7 +233,7 @@ def test_quick_run_writes_every_section(tmp_path):
     # Timed with XLA's usual optimisations, not the cheap compilation the tests ask for.
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.bench", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "-m", "experiments.bench.run", "--quick", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=1200,
@@ -262,8 +265,8 @@ def test_powersgd_compresses_the_matrices_the_hook_does():
 
     shapes = bench_codecs.resnet50_shapes()
     params = {f"p{i:03d}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
-    report = compjax.communication(bench.powersgd_transform(), params, num_workers=2)
-    r = bench.POWERSGD_RANK
+    report = compjax.communication(parts.powersgd_transform(), params, num_workers=2)
+    r = bench_codecs.POWERSGD_RANK
     matrices = [s for s in shapes if len(s) > 1]
     factors = sum(32 * r * (s[0] + math.prod(s[1:])) for s in matrices)
     dense = 32 * sum(s[0] for s in shapes if len(s) == 1)

@@ -12,8 +12,12 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import bench_e2e, bench_e2e_report, bench_e2e_sweep, bench_e2e_worker, data, netns
-from experiments import bench_e2e_task as task
+from experiments.common import data, netns
+from experiments.e2e import report as bench_e2e_report
+from experiments.e2e import run as bench_e2e
+from experiments.e2e import sweep as bench_e2e_sweep
+from experiments.e2e import task
+from experiments.e2e import worker as bench_e2e_worker
 
 
 def test_the_model_is_a_few_million_parameters_over_characters():
@@ -344,7 +348,7 @@ def _fake_network(monkeypatch, launched, stop_at=None):
             for c in config
         ]
 
-    monkeypatch.setattr(bench_e2e.bench_net, "launch", launch)
+    monkeypatch.setattr(bench_e2e.jobs, "launch", launch)
 
 
 def test_resume_runs_only_the_timed_runs_no_file_holds(tmp_path, monkeypatch, capsys):
@@ -440,7 +444,7 @@ def test_a_tiny_sweep_and_timed_run_reach_the_target_at_the_same_steps(tmp_path)
     if netns.unavailable_reason(f"compjax-e2e-test-{os.getpid()}") is not None:
         pytest.skip("needs root for a network namespace")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "experiments.bench_e2e", "--quick", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "experiments.e2e.run", "--quick", *args, "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=bench_e2e.ROOT)
     res = json.loads((out / "bench_e2e.json").read_text())
     for run in res["rates"]["1gbit"]:

@@ -10,7 +10,7 @@ import json
 import pytest
 
 import compjax
-from experiments import bench_gpu
+from experiments.gpu import run as bench_gpu
 
 
 def test_peak_bandwidth_by_device_kind():

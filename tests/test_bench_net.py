@@ -13,14 +13,13 @@ import pytest
 
 import compjax
 from compjax import costmodel
-from experiments import (
-    bench_net,
-    bench_net_goals,
-    bench_net_model,
-    bench_net_report,
-    bench_net_worker,
-    netns,
-)
+from experiments.common import hlo as hlo_lib
+from experiments.common import lm as bench_net_model
+from experiments.common import lm_step, netns
+from experiments.net import goals as bench_net_goals
+from experiments.net import report as bench_net_report
+from experiments.net import run as bench_net
+from experiments.net import worker as bench_net_worker
 
 
 def test_namespace_commands():
@@ -98,7 +97,7 @@ ENTRY %main {
 
 
 def test_compiled_collectives_are_parsed_with_one_workers_message():
-    found = bench_net_worker.hlo_collectives(HLO, workers=4)
+    found = hlo_lib.hlo_collectives(HLO, workers=4)
     assert [(c["op"], c["dtypes"], c["bits"]) for c in found] == [
         ("all-reduce", ["f32"], 1280),
         ("all-to-all", ["u8"], 512),
@@ -107,10 +106,10 @@ def test_compiled_collectives_are_parsed_with_one_workers_message():
     ]
     # ring algorithms: 2(n-1)/n of an all-reduce, (n-1)/n of an all-to-all, (n-1) gathers
     want = 1.5 * 1280 + 0.75 * 512 + 3 * 128 + 1.5 * 8
-    assert bench_net_worker.hlo_wire_bits(found, 4) == want
-    assert bench_net_worker.shape_bits("(bf16[3]{0}, pred[2])") == 64
+    assert hlo_lib.hlo_wire_bits(found, 4) == want
+    assert hlo_lib.shape_bits("(bf16[3]{0}, pred[2])") == 64
     with pytest.raises(ValueError, match="element type"):
-        bench_net_worker.shape_bits("c64[2]")
+        hlo_lib.shape_bits("c64[2]")
 
 
 def test_step_time_is_the_median_of_the_slowest_process():
@@ -192,7 +191,7 @@ def _fake_run() -> dict:
             "library_bits": 8e8,
             "payload_bits": None if key == "fp32" else 1e8,
             "hlo_collectives": hlo[key],
-            "hlo_wire_bits": bench_net_worker.hlo_wire_bits(hlo[key], 4),
+            "hlo_wire_bits": hlo_lib.hlo_wire_bits(hlo[key], 4),
             "rates": rates,
         }
     labels = {"fp32": "dense", "qsgd-sg": "QSGD"}
@@ -282,7 +281,7 @@ def test_fsdp_methods_and_their_messages():
     # replicated leaves' mean and the flag are not counted
     payloads = [("param_gather", 2080), ("flag", 8), ("replicated_mean", 512)]
     payloads += [("scale", 32), ("payload", 6656)]
-    assert bench_net_worker.fsdp_message_bits(payloads, 4) == 4 * 2080 + 32 + 6656
+    assert lm_step.fsdp_message_bits(payloads, 4) == 4 * 2080 + 32 + 6656
     assert bench_net_report.theory_bits("fsdp", 4e6, 4) == pytest.approx(3e6)
 
 
@@ -309,7 +308,7 @@ def _fake_fsdp_run(zpp_s: float) -> dict:
             "library_wire_bits": wire,
             "payload_bits": bits,
             "hlo_collectives": hlo,
-            "hlo_wire_bits": bench_net_worker.hlo_wire_bits(hlo, 4),
+            "hlo_wire_bits": hlo_lib.hlo_wire_bits(hlo, 4),
             "rates": rates,
         }
         res["methods"][key] = {"label": key.upper(), "collective": "fsdp"}
@@ -351,7 +350,7 @@ def test_fsdp_worker_step_trains_and_counts_its_messages(key):
     batches = [jax.device_put(tokens, sharding)]
     method = {m.key: m for m in bench_net_model.METHODS}[key]
     params = bench_net_model.init_params(cfg)
-    trainer, info = bench_net_worker.build(method, cfg, params, mesh, batches)
+    trainer, info = lm_step.build(method, cfg, params, mesh, batches)
     losses = [trainer.step()[1] for _ in range(8)]
     assert losses[-1] < losses[0]
     specs = [x.sharding.spec for x in jax.tree.leaves(trainer.params)]
@@ -361,7 +360,7 @@ def test_fsdp_worker_step_trains_and_counts_its_messages(key):
     assert info["payload_bits"] > 0
     gathers = [c for c in info["hlo_collectives"] if c["collective"] == "allgather"]
     library = [bits for kind, bits, _ in info["library_messages"] if kind == "param_gather"]
-    assert bench_net_worker.hlo_wire_bits(gathers, 2) == sum(library)  # (n-1) shards, n = 2
+    assert hlo_lib.hlo_wire_bits(gathers, 2) == sum(library)  # (n-1) shards, n = 2
     assert info["hlo_wire_bits"] == pytest.approx(info["library_wire_bits"], rel=0.1)
 
 
@@ -415,9 +414,9 @@ ENTRY %main (x: f32[4], b: s32[]) -> f32[4] {
 
 
 def test_collectives_of_the_synchronisation_are_counted_once_a_round():
-    nested = bench_net_worker.nested_computations(LOCAL_HLO)
+    nested = hlo_lib.nested_computations(LOCAL_HLO)
     assert nested == {"conditional": {"sync", "skip", "helper"}, "loop": {"resend", "again"}}
-    found = bench_net_worker.hlo_collectives(LOCAL_HLO, workers=4)
+    found = hlo_lib.hlo_collectives(LOCAL_HLO, workers=4)
     assert [(c["op"], c["bits"], c["conditional"], c["loop"]) for c in found] == [
         ("all-gather", 128, True, False),  # in a computation the branch calls
         ("all-reduce", 128, True, False),
@@ -426,10 +425,10 @@ def test_collectives_of_the_synchronisation_are_counted_once_a_round():
         ("all-reduce", 32, False, False),
         ("all-reduce", 8, False, False),
     ]
-    averaged = bench_net_report.per_step(found, 8)
+    averaged = hlo_lib.per_step(found, 8)
     assert [c["bits"] for c in averaged] == [16, 16, 128, 32, 8]
     # a method exchanging every step: all but the resend, as they are
-    assert [c["bits"] for c in bench_net_report.per_step(found, None)] == [128, 128, 128, 32, 8]
+    assert [c["bits"] for c in hlo_lib.per_step(found, None)] == [128, 128, 128, 32, 8]
 
 
 def test_round_seconds_are_the_mean_over_whole_rounds():
@@ -488,7 +487,7 @@ def _fake_local_run(step_1gbit: float) -> dict:
         "payload_bits": 1e9,
         "library_wire_bits": wire,
         "hlo_collectives": hlo,
-        "hlo_wire_bits": bench_net_worker.hlo_wire_bits(bench_net_report.per_step(hlo, h), 4),
+        "hlo_wire_bits": hlo_lib.hlo_wire_bits(hlo_lib.per_step(hlo, h), 4),
         "rates": rates,
     }
     res["methods"]["diloco-int8"] = {"label": "DiLoCo", "collective": "local_steps"}
@@ -537,9 +536,7 @@ def test_local_steps_worker_trains_and_counts_a_round(key):
     tokens = np.concatenate([bench_net_model.tokens(cfg, w, 0) for w in range(2)])
     method = {m.key: m for m in bench_net_model.METHODS}[key]
     params = bench_net_model.init_params(cfg)
-    trainer, info = bench_net_worker.build(
-        method, cfg, params, mesh, [jax.device_put(tokens, sharding)]
-    )
+    trainer, info = lm_step.build(method, cfg, params, mesh, [jax.device_put(tokens, sharding)])
     h = method.sync_every
     assert info["sync_every"] == h and info["step_messages"] == [["flag", 8, False]]
     assert info["payload_bits"] == sum(bits for _, bits, _ in info["library_messages"]) > 0

@@ -14,7 +14,8 @@ import pytest
 
 import compjax
 from compjax import costmodel
-from experiments import data, methods, tasks, train
+from experiments.common import data, methods
+from experiments.harness import tasks, train
 
 # --- method expressions --------------------------------------------------------
 
@@ -82,7 +83,7 @@ def test_messages_travel_by_the_collective_the_method_uses():
 
 
 def test_onebit_adam_warm_up_is_counted_dense_then_compressed():
-    from experiments.problem import Problem
+    from experiments.harness.problem import Problem
 
     cfg = train.Config(task="logreg", method="onebit_adam(freeze_step=3)", workers=2, steps=5)
     problem = Problem(cfg.resolved())

@@ -1,7 +1,7 @@
 """A run killed by SIGKILL in the middle of its writes resumes to the records of an unkilled one.
 
-Each test starts ``python -m experiments.train`` with ``$EXPERIMENTS_CRASH_AT``
-naming a point of its writes (:func:`experiments.runlog.crash_point`), lets it
+Each test starts ``python -m experiments.harness.train`` with ``$EXPERIMENTS_CRASH_AT``
+naming a point of its writes (:func:`experiments.harness.runlog.crash_point`), lets it
 die there, resumes the same config in this process and compares the records
 and both metrics files, byte for byte, with an uninterrupted run's.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import runlog, train
+from experiments.harness import runlog, train
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"task": "logreg", "workers": 2, "steps": 6, "eval_every": 2, "checkpoint_every": 2}
@@ -31,7 +31,7 @@ def _cli_args(out: Path) -> list[str]:
 def _run_killed_at(point: str, out: Path) -> None:
     """Run the config in a subprocess that SIGKILLs itself at ``point``."""
     env = {**os.environ, runlog.CRASH_AT: point}
-    command = [sys.executable, "-m", "experiments.train", *_cli_args(out)]
+    command = [sys.executable, "-m", "experiments.harness.train", *_cli_args(out)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
 

@@ -1,6 +1,6 @@
 """A dead peer: the network benchmark's processes give up after a short heartbeat timeout; the
-launcher (:mod:`experiments.launch`) names the dead process and stops the others; a survivor's
-failed collective is one line."""
+launcher (:mod:`experiments.common.launch`) names the dead process and stops the others; a
+survivor's failed collective is one line."""
 
 import inspect
 import io
@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from experiments import bench_net_worker, launch
+from experiments.common import jobs, launch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,13 +31,13 @@ def test_bench_workers_join_with_a_short_heartbeat_timeout(monkeypatch):
 
     monkeypatch.setattr(jax.distributed, "initialize", initialize)
     with pytest.raises(_Joined):
-        bench_net_worker.join("127.0.0.1:1234", num_processes=2, process_id=1)
+        jobs.join("127.0.0.1:1234", num_processes=2, process_id=1)
     [arguments] = calls
-    assert arguments["heartbeat_timeout_seconds"] == bench_net_worker.HEARTBEAT_TIMEOUT_S
-    assert bench_net_worker.HEARTBEAT_TIMEOUT_S < 100  # JAX's default
+    assert arguments["heartbeat_timeout_seconds"] == jobs.HEARTBEAT_TIMEOUT_S
+    assert jobs.HEARTBEAT_TIMEOUT_S < 100  # JAX's default
 
 
-# --- the launcher and the survivor's one line (experiments.launch) ----------------------------
+# --- the launcher and the survivor's one line (experiments.common.launch) ---------------------
 
 
 def test_the_launcher_names_the_dead_process_and_stops_the_others(tmp_path):
@@ -63,7 +63,8 @@ def test_the_launcher_names_the_dead_process_and_stops_the_others(tmp_path):
     assert launch.supervise([[sys.executable, "-c", "pass"]] * 2, tmp_path / "c") == 0
     # the command line fills in the process ids and one port
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.launch", "-n", "2", "--logs", str(tmp_path / "d"),
+        [sys.executable, "-m", "experiments.common.launch", "-n", "2",
+         "--logs", str(tmp_path / "d"),
          "--", sys.executable, "-c", "import sys; sys.exit(int('{process_id}') * 5)"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
@@ -75,7 +76,7 @@ def test_a_failed_collective_is_one_line_and_a_prompt_exit(tmp_path):
     ``PEER_FAILED``, skipping the atexit handlers (JAX's shutdown barrier among them)."""
     script = (
         "import atexit, jax\n"
-        "from experiments.launch import exit_on_peer_failure\n"
+        "from experiments.common.launch import exit_on_peer_failure\n"
         "atexit.register(lambda: print('atexit ran'))\n"
         "with exit_on_peer_failure(3):\n"
         "    raise jax.errors.JaxRuntimeError('UNKNOWN: Gloo AllGather failed: closed\\nmore')\n"

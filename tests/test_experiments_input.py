@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from experiments import config, data, methods, train
+from experiments.common import data, methods
+from experiments.harness import config, train
 
 # --- every field's type, from Config's annotations ------------------------------------
 
@@ -246,7 +247,7 @@ def test_dropped_examples_are_those_no_worker_is_dealt():
 
 def test_a_run_over_workers_that_do_not_divide_the_data_says_what_it_drops(tmp_path, caplog):
     cfg = train.Config(task="logreg", workers=7, steps=1, eval_every=1)
-    with caplog.at_level(logging.WARNING, logger="experiments.train"):
+    with caplog.at_level(logging.WARNING, logger="experiments.harness.train"):
         result = train.run(cfg, tmp_path, progress=False)
     problem = train.Problem(result.config)
     train_size = len(problem.dataset.train)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import data, tasks, train
+from experiments.common import data
+from experiments.harness import tasks, train
 
 
 def _params(name: str, num_classes: int, example: jax.ShapeDtypeStruct):

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments import methods
+from experiments.common import methods
 from paper_figs import fig10_onebit_adam as fig10
 from paper_figs import fig11_variance_per_bit as fig11
 

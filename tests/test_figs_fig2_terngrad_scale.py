@@ -4,7 +4,7 @@ import itertools
 
 import numpy as np
 
-from experiments import methods
+from experiments.common import methods
 from paper_figs import fig2_terngrad_scale as fig
 
 

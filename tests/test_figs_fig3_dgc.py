@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from experiments import methods
+from experiments.common import methods
 from paper_figs import fig3_dgc as fig
 
 

@@ -1,6 +1,6 @@
 """The pure helpers of paper_figs/fig3_dgc_lm.py: its methods and the verdict."""
 
-from experiments import methods
+from experiments.common import methods
 from paper_figs import fig3_dgc_lm as fig
 
 

@@ -5,7 +5,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from experiments import train
+from experiments.harness import train
 from paper_figs import common, fig6_dad
 from paper_figs.fig6_dad import accuracy_at_bits, max_loss_gap, paired_per_bit
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from experiments import methods
+from experiments.common import methods
 from paper_figs.fig8_frontier import METHODS, pareto_front
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import compjax
 from compjax import costmodel
-from experiments import methods
+from experiments.common import methods
 from paper_figs import common
 from paper_figs import fig9_network as network
 from paper_figs import fig9_speedup as fig

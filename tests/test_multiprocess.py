@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from multiprocess_worker import FAST_NAMES, STEPS, WORKERS, run
 
-from experiments import launch as launcher
+from experiments.common import launch as launcher
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 NUM_PROCESSES = 2
@@ -181,9 +181,10 @@ def test_a_dead_peer_aborts_the_survivor_within_the_heartbeat_timeout(tmp_path):
 
 @pytest.mark.slow
 def test_a_dead_peer_is_one_line_from_the_survivor_and_from_the_launcher(tmp_path):
-    """Caught (``experiments.launch.exit_on_peer_failure``), the survivor's failed collective is
-    one line and exit status PEER_FAILED, well before the heartbeat timeout (60 s here); the
-    launcher (``experiments.launch.supervise``) says which process died and how."""
+    """Caught (``experiments.common.launch.exit_on_peer_failure``), the survivor's failed
+    collective is one line and exit status PEER_FAILED, well before the heartbeat timeout (60 s
+    here); the launcher (``experiments.common.launch.supervise``) says which process died and
+    how."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     commands = [

@@ -1,4 +1,4 @@
-"""``experiments/native_fwht.cc``, the native transform behind the EDEN bound in
+"""``experiments/bench/native_fwht.cc``, the native transform behind the EDEN bound in
 docs/benchmarks.md: it builds, and its transform is the float64 butterfly's."""
 
 import shutil
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SOURCE = Path(__file__).resolve().parent.parent / "experiments" / "native_fwht.cc"
+SOURCE = Path(__file__).resolve().parent.parent / "experiments" / "bench" / "native_fwht.cc"
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")

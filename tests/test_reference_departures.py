@@ -1,10 +1,10 @@
-"""experiments/reference_departures.py: the transcriptions behave as their references do, and
+"""experiments/reference/departures.py: the transcriptions behave as their references do, and
 the measured departures come out as documented (seed-fixed, small sizes)."""
 
 import numpy as np
 import pytest
 
-from experiments import reference_departures as rd
+from experiments.reference import departures as rd
 
 
 def test_intellect_codes_are_rounded_6_sigma_bins_decoded_to_bin_means():

@@ -1,0 +1,2 @@
+"""``make bench-net``: real training steps of ``jax.distributed`` processes over a
+rate-limited loopback (``python -m experiments.net.run``)."""
