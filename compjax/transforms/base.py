@@ -1,5 +1,9 @@
 """What every compjax transformation shares: leaves, per-worker state, keys, state dtypes.
 
+The flow that strings these together, leaf by leaf, is
+:mod:`compjax.transforms.scaffold`; a transformation built on it writes one
+worker's step on one leaf.
+
 Per-worker state (error memory, local shifts) has a leading axis of size 1
 in each worker's view (:meth:`Leaves.worker_state`), so that it concatenates
 into a leading worker axis; :func:`state_specs` gives the matching

@@ -22,9 +22,10 @@ class DianaState(NamedTuple):
     """State of :func:`diana`.
 
     Attributes:
-      key: shared PRNG key (raw uint32).
-      local_shift: per-worker shifts ``h_i``.
-      shift: the shared shift ``h = mean_i h_i``.
+      key: the shared PRNG key (raw uint32), split every step.
+      local_shift: this worker's shifts ``h_i`` (leading worker axis of size 1),
+        one per leaf (per bucket, or one for the flattened tree), in the state dtype.
+      shift: the shared shift ``h = mean_i h_i``, moved by ``alpha mean_i m_i``.
       server_error: the shard owners' memories (scatter-gather with a biased
         compressor; otherwise an empty tuple).
     """
@@ -61,20 +62,22 @@ def diana(
       alpha: shift step size; default ``1/(omega(d) + 1)`` for each leaf of
         ``d`` entries (the theory's largest).  May be a schedule value under
         ``optax.inject_hyperparams``.
-      flatten: compress the whole tree as one vector.
-      bucket_size: compress the flattened tree in buckets of this many
-        entries (one message and one scale per bucket) instead of leaf by
-        leaf; ``None``: per leaf.
+      flatten: one shift and one message for the whole tree (as one vector).
+      bucket_size: one shift and one message per bucket of this many entries
+        of the flattened tree; ``None``: per leaf (see :func:`compjax.compress`).
       seed: seed of the shared key.
-      exchange: how messages travel: ``"all_gather"`` (default),
-        ``"scatter_gather"`` (a compressed all-reduce; a biased compressor
-        then keeps the shard owners' error memory in ``server_error``) or
-        :func:`compjax.hierarchical` (see :mod:`compjax.exchange`).
-      state_dtype: dtype of the persistent state (see
-        :mod:`compjax.transforms.base`): ``None`` keeps it in float32 for
-        float32, bfloat16 and float16 params (float64 for float64 params
-        under ``jax_enable_x64``, whose gradients must still be at most
-        float32); messages and updates keep the gradient's dtype.
+      exchange: how the messages ``m_i`` travel, as in :func:`compjax.compress`
+        (with a biased compressor over ``"scatter_gather"`` the shard owners
+        keep an error memory in ``server_error``).
+      state_dtype: dtype of the shifts ``h_i`` and ``h`` (see
+        :mod:`compjax.transforms.base`): ``None`` keeps them in float32 for
+        float32, bfloat16 and float16 params (float64 for float64 params under
+        ``jax_enable_x64``, whose gradients must still be at most float32);
+        messages and updates keep the gradient's dtype.
+
+    Returns:
+      An ``optax.GradientTransformation`` whose update is ``h + mean_i m_i``, in
+      the gradient's dtype.
 
     Raises:
       ValueError: ``alpha`` not in ``(0, 1]``, ``alpha=None`` with a

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.collectives import AxisName, all_gather
+from compjax.collectives import AxisName, all_gather, num_workers, record
 from compjax.payload import Payload
 
 #: Bits of one index on the wire (int32).
@@ -136,6 +136,19 @@ def scatter_mean(indices: jax.Array, values: jax.Array, d: int, n: int) -> jax.A
     return dense / n
 
 
+def sparse_mean(payload: Payload, decode: Callable, axis_name: AxisName) -> jax.Array:
+    """The mean over the workers of everyone's padded sparse message, float32 ``(d,)``.
+
+    ``payload`` (this worker's message, of shape ``(d,)``) is recorded for
+    accounting and all-gathered; ``decode(wire) -> (indices, values)`` decodes each
+    worker's, and the values are scattered (:func:`scatter_mean`).
+    """
+    record("payload", payload, "all_gather", axis_name)
+    indices, values = jax.vmap(decode)(gather(payload, axis_name).wire)
+    (d,) = payload.shape
+    return scatter_mean(indices, values, d, num_workers(axis_name))
+
+
 # --- accounting --------------------------------------------------------------
 
 
@@ -152,6 +165,9 @@ def real_bits_sent(state: Any) -> int:
     gathered from ``shard_map`` (or stacked by ``vmap``/``pmap``) gives the
     total of all workers, one worker's state its own.  Call it outside ``jit``
     (it reads the arrays); differences between steps give the bits of a step.
+
+    Args:
+      state: an optimizer state (or any pytree) holding such states.
 
     Returns:
       The exact number of bits, a Python ``int``.

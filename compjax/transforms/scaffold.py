@@ -251,16 +251,18 @@ def init(sc: Scaffold, params: Any) -> Any:
     Returns:
       An instance of ``sc.state``.
     """
-    leaves = _leaves(sc, params)
-    fill = state_zeros(sc.state_dtype)
-    values = {
-        f: leaves.worker_state(fill) if _per_worker(sc, f) else leaves.shared_state(fill)
-        for f in sc.fields
-    }
+    values: dict[str, Any] = {}
+    if sc.fields or sc.server is not None:  # (a state without them never splits the params)
+        leaves = _leaves(sc, params)
+        fill = state_zeros(sc.state_dtype)
+        for f in sc.fields:
+            values[f] = (
+                leaves.worker_state(fill) if _per_worker(sc, f) else leaves.shared_state(fill)
+            )
+        if sc.server is not None:
+            values["server_error"] = sc.server.init(leaves)
     if sc.seed is not None:
         values["key"] = init_key(sc.seed)
-    if sc.server is not None:
-        values["server_error"] = sc.server.init(leaves)
     if getattr(sc.state, "COUNTS_BITS", False):
         values["bits_sent"] = new_counter()
     return sc.state(**values)

@@ -14,16 +14,7 @@ from typing import Any, NamedTuple
 import optax
 
 from compjax.collectives import AxisName, sign_vote
-from compjax.transforms.base import (
-    Leaves,
-    any_non_finite,
-    cast_like,
-    check_grouping,
-    check_state_dtype,
-    counted,
-    guarded,
-    state_zeros,
-)
+from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold
 
 _VIA = ("all_gather", "psum", "scatter_gather")
 
@@ -35,7 +26,7 @@ class SignVoteState(NamedTuple):
       momentum: per-worker momentum (Signum), or ``None`` for signSGD.
     """
 
-    momentum: Any
+    momentum: Any = None
     PER_WORKER = ("momentum",)
 
 
@@ -77,9 +68,13 @@ def sign_majority_vote(
         under ``jax_enable_x64``, whose gradients must still be at most
         float32); the vote is returned in the gradient's dtype.
 
+    Returns:
+      An ``optax.GradientTransformation`` whose update is the vote, ``-1``, ``0``
+      or ``+1`` per entry, in the gradient's dtype.
+
     Raises:
-      ValueError: ``momentum`` outside ``[0, 1)``, an unknown ``via`` or an
-        invalid ``state_dtype``.
+      ValueError: ``momentum`` outside ``[0, 1)``, an unknown ``via``, or an
+        invalid ``bucket_size`` or ``state_dtype``.
 
     References:
       Bernstein et al., "signSGD with Majority Vote is Communication Efficient
@@ -90,30 +85,19 @@ def sign_majority_vote(
     if via not in _VIA:
         raise ValueError(f"via must be one of {_VIA}, got {via!r}")
 
-    check_grouping(flatten, bucket_size)
-    state_dtype = check_state_dtype(state_dtype)
+    fields = () if momentum is None else ("momentum",)
+    sc = scaffold(
+        SignVoteState, axis_name, flatten, bucket_size, fields=fields, state_dtype=state_dtype
+    )
 
-    def init_fn(params):
+    def step(leaf: Leaf) -> LeafStep:
+        g = leaf.update
         if momentum is None:
-            return SignVoteState(momentum=None)
-        leaves = Leaves(params, flatten, bucket_size)
-        return SignVoteState(momentum=leaves.worker_state(state_zeros(state_dtype)))
-
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        if momentum is None:
-            voted, new_state = leaves.arrays, state
+            voted, new = g, ()
         else:
-            old = leaves.read(state.momentum, "momentum", per_worker=True)
-            voted = [
-                momentum * v + (1.0 - momentum) * g for v, g in zip(old, leaves.arrays, strict=True)
-            ]
-            voted = cast_like(voted, old)
-            new_state = SignVoteState(momentum=leaves.write(voted, per_worker=True))
-        out = [sign_vote(v, axis_name, via) for v in voted]
-        out = cast_like(out, leaves.arrays)  # the vote in the gradient's dtype
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
+            (old,) = leaf.state
+            voted = (momentum * old + (1.0 - momentum) * g).astype(old.dtype)
+            new = (voted,)
+        return LeafStep(sign_vote(voted, axis_name, via).astype(g.dtype), new)  # in g's dtype
 
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    return leafwise(sc, step)

@@ -12,7 +12,8 @@ states) into the matching ``PartitionSpec`` tree.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -74,83 +75,106 @@ def state_specs(state: Any, axis_name, param_specs: Any = None) -> Any:
         that was not built by :func:`compjax.nnx.optimizer` (its per-worker
         fields cannot be told apart).
     """
-    split = jax.P(axis_name)
-    replicated = jax.P()
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    layout = None if param_specs is None else jax.tree.structure(param_specs, is_leaf=is_spec)
-    leaf_specs = [] if param_specs is None else jax.tree.leaves(param_specs, is_leaf=is_spec)
+    return jax.tree.map(
+        functools.partial(_spec, _layout(axis_name, param_specs)), state, is_leaf=_stop
+    )
+
+
+class _Layout(NamedTuple):
+    """What :func:`state_specs` derives once from its arguments."""
+
+    axis_name: Any
+    param_specs: Any
+    treedef: Any  # the params' structure (None without param_specs)
+    leaf_specs: list  # each param's spec
+    leaf_axes: list  # each param's mesh axes other than the data axes
+    per_block: Any  # the spec of a per-worker field not laid out like the params
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _layout(axis_name, param_specs: Any) -> _Layout:
+    treedef = None if param_specs is None else jax.tree.structure(param_specs, is_leaf=_is_spec)
+    leaf_specs = [] if param_specs is None else jax.tree.leaves(param_specs, is_leaf=_is_spec)
     data_axes = set(axis_names(axis_name))
     leaf_axes = [tuple(a for a in spec_axes(s) if a not in data_axes) for s in leaf_specs]
     # The other mesh axes any parameter is split over: a per-worker field that is not laid out
     # like the params (a bit counter, a flattened memory) differs on each of their blocks too.
     model_axes = tuple(dict.fromkeys(a for axes in leaf_axes for a in axes))
-    per_block = jax.P((*axis_names(axis_name), *model_axes)) if model_axes else split
+    per_block = jax.P((*axis_names(axis_name), *model_axes)) if model_axes else jax.P(axis_name)
+    return _Layout(axis_name, param_specs, treedef, leaf_specs, leaf_axes, per_block)
 
-    def field_specs(value, per_worker: bool):
-        if layout is not None and jax.tree.structure(value) == layout:
-            specs = [jax.P(axis_name, *s) if per_worker else s for s in leaf_specs]
-            return jax.tree.unflatten(layout, specs)
-        return jax.tree.map(lambda _: per_block if per_worker else replicated, value)
 
-    def per_leaf_specs(value):
-        """A tuple in leaf order of values computed from each leaf's block (PowerSGD's ``Q``)."""
-        if not leaf_axes:
-            return jax.tree.map(lambda _: replicated, value)
-        if len(value) != len(leaf_axes):
-            raise ValueError(
-                f"state_specs: param_specs has {len(leaf_axes)} leaves where the state was "
-                f"built for {len(value)}: give the specs of the params the state was built for"
-            )
-        return tuple(
-            jax.tree.map(lambda _, axes=axes: jax.P(axes) if axes else replicated, v)
-            for v, axes in zip(value, leaf_axes, strict=True)
+def _field_specs(lay: _Layout, value: Any, per_worker: bool) -> Any:
+    if lay.treedef is not None and jax.tree.structure(value) == lay.treedef:
+        specs = [jax.P(lay.axis_name, *s) if per_worker else s for s in lay.leaf_specs]
+        return jax.tree.unflatten(lay.treedef, specs)
+    return jax.tree.map(lambda _: lay.per_block if per_worker else jax.P(), value)
+
+
+def _per_leaf_specs(lay: _Layout, value: Any) -> Any:
+    """A tuple in leaf order of values computed from each leaf's block (PowerSGD's ``Q``)."""
+    if not lay.leaf_axes:
+        return jax.tree.map(lambda _: jax.P(), value)
+    if len(value) != len(lay.leaf_axes):
+        raise ValueError(
+            f"state_specs: param_specs has {len(lay.leaf_axes)} leaves where the state was "
+            f"built for {len(value)}: give the specs of the params the state was built for"
         )
+    return tuple(
+        jax.tree.map(lambda _, axes=axes: jax.P(axes) if axes else jax.P(), v)
+        for v, axes in zip(value, lay.leaf_axes, strict=True)
+    )
 
-    def per_worker_grads(leaf):
-        if not np.shape(leaf):
-            raise ValueError(
-                "state_specs: optax.MultiSteps accumulates each worker's own gradient "
-                "(acc_grads), which shard_map can only split along a leading axis: a scalar "
-                "parameter has none (give it shape (1,))"
-            )
-        return split
 
-    def variable_spec(var: nnx.Variable):
-        if not isinstance(var, nnx.OptArray | nnx.OptVariable):
-            return replicated
-        recorded = var.get_metadata().get(NNX_SPEC)
-        if recorded is None:
-            raise ValueError(
-                "state_specs: this nnx.State holds the state of an nnx.Optimizer built "
-                "directly, whose per-worker fields nnx.state no longer marks (and whose "
-                "tx.init ran outside shard_map); build it with compjax.nnx.optimizer(model, "
-                "tx, mesh, axis_name, wrt=...)"
-            )
-        return recorded
+def _per_worker_grads(lay: _Layout, leaf: Any) -> Any:
+    if not np.shape(leaf):
+        raise ValueError(
+            "state_specs: optax.MultiSteps accumulates each worker's own gradient "
+            "(acc_grads), which shard_map can only split along a leading axis: a scalar "
+            "parameter has none (give it shape (1,))"
+        )
+    return jax.P(lay.axis_name)
 
-    def spec(node):
-        if isinstance(node, nnx.Variable):
-            return variable_spec(node)
-        if isinstance(node, optax.MultiStepsState):
-            # acc_grads holds each worker's own sum of gradients, the params' shape on every
-            # worker: split along its first axis (globally n times the params' first axis).
-            return node._replace(
-                mini_step=replicated,
-                gradient_step=replicated,
-                inner_opt_state=state_specs(node.inner_opt_state, axis_name, param_specs),
-                acc_grads=jax.tree.map(per_worker_grads, node.acc_grads),
-                skip_state=jax.tree.map(lambda _: replicated, node.skip_state),
-            )
-        if is_marked(node):
-            per_leaf = getattr(node, "PER_LEAF", ())
-            fields = [
-                per_leaf_specs(v) if f in per_leaf else field_specs(v, f in node.PER_WORKER)
-                for f, v in zip(node._fields, node, strict=True)
-            ]
-            return type(node)(*fields)
-        return replicated
 
-    def stop(node):
-        return is_marked(node) or isinstance(node, optax.MultiStepsState | nnx.Variable)
+def _variable_spec(var: nnx.Variable) -> Any:
+    if not isinstance(var, nnx.OptArray | nnx.OptVariable):
+        return jax.P()
+    recorded = var.get_metadata().get(NNX_SPEC)
+    if recorded is None:
+        raise ValueError(
+            "state_specs: this nnx.State holds the state of an nnx.Optimizer built "
+            "directly, whose per-worker fields nnx.state no longer marks (and whose "
+            "tx.init ran outside shard_map); build it with compjax.nnx.optimizer(model, "
+            "tx, mesh, axis_name, wrt=...)"
+        )
+    return recorded
 
-    return jax.tree.map(spec, state, is_leaf=stop)
+
+def _spec(lay: _Layout, node: Any) -> Any:
+    if isinstance(node, nnx.Variable):
+        return _variable_spec(node)
+    if isinstance(node, optax.MultiStepsState):
+        # acc_grads holds each worker's own sum of gradients, the params' shape on every
+        # worker: split along its first axis (globally n times the params' first axis).
+        return node._replace(
+            mini_step=jax.P(),
+            gradient_step=jax.P(),
+            inner_opt_state=state_specs(node.inner_opt_state, lay.axis_name, lay.param_specs),
+            acc_grads=jax.tree.map(functools.partial(_per_worker_grads, lay), node.acc_grads),
+            skip_state=jax.tree.map(lambda _: jax.P(), node.skip_state),
+        )
+    if is_marked(node):
+        per_leaf = getattr(node, "PER_LEAF", ())
+        fields = [
+            _per_leaf_specs(lay, v) if f in per_leaf else _field_specs(lay, v, f in node.PER_WORKER)
+            for f, v in zip(node._fields, node, strict=True)
+        ]
+        return type(node)(*fields)
+    return jax.P()
+
+
+def _stop(node: Any) -> bool:
+    return is_marked(node) or isinstance(node, optax.MultiStepsState | nnx.Variable)

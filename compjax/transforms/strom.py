@@ -20,28 +20,17 @@ import numpy as np
 import optax
 
 from compjax import packing
-from compjax.collectives import AxisName, num_workers, record
+from compjax.collectives import AxisName
 from compjax.payload import Payload
-from compjax.transforms.base import (
-    Leaves,
-    any_non_finite,
-    cast_like,
-    check_state_dtype,
-    counted,
-    guarded,
-    state_zeros,
-)
 from compjax.transforms.padded_sparse import (
     INDEX_BITS,
-    add_bits,
     budget_slots,
     check_budget,
     check_real,
-    gather,
-    new_counter,
-    scatter_mean,
     select_slots,
+    sparse_mean,
 )
+from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold
 
 #: Real bits per coordinate sent: index and sign.
 STROM_ENTRY_BITS = INDEX_BITS + 1
@@ -104,6 +93,10 @@ def strom_threshold(
         under ``jax_enable_x64``, whose gradients must still be at most
         float32); messages are the same either way.
 
+    Returns:
+      An ``optax.GradientTransformation`` whose update is the mean over the
+      workers of the values sent, in the gradients' dtype.
+
     Raises:
       ValueError: ``tau``, ``budget`` or ``state_dtype`` invalid.
 
@@ -113,52 +106,37 @@ def strom_threshold(
     """
     check_real("tau", tau, lambda x: x > 0, "a finite number > 0")
     check_budget(budget)
-    zeros = state_zeros(check_state_dtype(state_dtype))
+    # The updates are computed in float32 and cast to the gradients' dtype after the guard.
+    sc = scaffold(StromState, axis_name, flatten, state_dtype=state_dtype, cast_after_guard=True)
+    return leafwise(sc, functools.partial(_strom_step, axis_name=axis_name, tau=tau, budget=budget))
 
-    def init_fn(params):
-        residual = Leaves(params, flatten).worker_state(zeros)
-        return StromState(residual=residual, bits_sent=new_counter())
 
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        residuals = leaves.read(state.residual, "residual", per_worker=True)
-        n = num_workers(axis_name)
-        counter = state.bits_sent[0]
-        out, new_res = [], []
-        for g, r in zip(leaves.arrays, residuals, strict=True):
-            shape, d = g.shape, g.size
-            slots = budget_slots(budget, d)
-            if slots == 0:
-                out.append(jnp.zeros(shape, jnp.float32))
-                new_res.append(r)
-                continue
-            acc = (r + g.astype(jnp.float32)).reshape(-1)
-            mag = jnp.abs(acc)
-            idx, send = select_slots(mag, mag > tau, slots)
-            neg = acc[idx] < 0
-            q = jnp.where(send, jnp.where(neg, -tau, tau), 0.0).astype(jnp.float32)
-            payload = Payload(
-                wire={
-                    "indices": jnp.where(send, idx, d).astype(jnp.int32),
-                    "signs": packing.pack((send & neg).astype(jnp.uint32), 1),
-                },
-                side={},
-                meta=((d,), np.dtype(np.float32)),
-            )
-            record("payload", payload, "all_gather", axis_name)
-            wire = gather(payload, axis_name).wire
-            signs = jax.vmap(functools.partial(packing.unpack, width=1, n=slots))(wire["signs"])
-            values = jnp.where(signs == 1, jnp.float32(-tau), jnp.float32(tau))
-            out.append(scatter_mean(wire["indices"], values, d, n).reshape(shape))
-            new_res.append(acc.at[idx].add(-q).reshape(shape))
-            counter = add_bits(counter, jnp.sum(send), STROM_ENTRY_BITS)
-        new_state = StromState(
-            residual=leaves.write(cast_like(new_res, residuals), per_worker=True),
-            bits_sent=counter[None],
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        out = [o.astype(g.dtype) for o, g in zip(out, leaves.arrays, strict=True)]
-        return leaves.rebuild(out), new_state
+def _strom_step(leaf: Leaf, axis_name: AxisName, tau: float, budget: int | float) -> LeafStep:
+    """One worker's message for one leaf, its update (float32) and new residual."""
+    g, (r,) = leaf.update, leaf.state
+    shape, d = g.shape, g.size
+    slots = budget_slots(budget, d)
+    if slots == 0:
+        return LeafStep(jnp.zeros(shape, jnp.float32), (r,))
+    acc = (r + g.astype(jnp.float32)).reshape(-1)
+    mag = jnp.abs(acc)
+    idx, send = select_slots(mag, mag > tau, slots)
+    neg = acc[idx] < 0
+    q = jnp.where(send, jnp.where(neg, -tau, tau), 0.0).astype(jnp.float32)
+    payload = Payload(
+        wire={
+            "indices": jnp.where(send, idx, d).astype(jnp.int32),
+            "signs": packing.pack((send & neg).astype(jnp.uint32), 1),
+        },
+        side={},
+        meta=((d,), np.dtype(np.float32)),
+    )
+    mean = sparse_mean(payload, functools.partial(_strom_decode, tau=tau, slots=slots), axis_name)
+    residual = acc.at[idx].add(-q).reshape(shape)
+    return LeafStep(mean.reshape(shape), (residual,), sent=((jnp.sum(send), STROM_ENTRY_BITS),))
 
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+
+def _strom_decode(wire: dict, tau: float, slots: int) -> tuple[jax.Array, jax.Array]:
+    """A message's indices and values: ``-tau`` where the sign bit is set, ``+tau`` elsewhere."""
+    signs = packing.unpack(wire["signs"], width=1, n=slots)
+    return wire["indices"], jnp.where(signs == 1, jnp.float32(-tau), jnp.float32(tau))

@@ -17,15 +17,7 @@ import optax
 from compjax.collectives import AxisName, shared_max, ternary_mean, worker_key
 from compjax.compressors.terngrad import clip_to_std, ternarize, ternary_values, terngrad
 from compjax.exchange import compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    any_non_finite,
-    check_grouping,
-    counted,
-    guarded,
-    init_key,
-    step_keys,
-)
+from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold
 
 
 class TernGradState(NamedTuple):
@@ -66,34 +58,30 @@ def terngrad_allreduce(
         leaf; ``None``: per leaf.
       seed: seed of the shared key.
 
+    Returns:
+      An ``optax.GradientTransformation`` whose update is the mean of the
+      workers' ternarised (clipped) gradients, in the gradient's dtype.
+
+    Raises:
+      ValueError: an invalid ``clip`` or ``bucket_size``.
+
     References:
       Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
       Distributed Deep Learning", NeurIPS 2017.
     """
     own_scaler = terngrad(clip=clip)
+    sc = scaffold(TernGradState, axis_name, flatten, bucket_size, seed)
 
-    check_grouping(flatten, bucket_size)
-
-    def init_fn(params):
-        return TernGradState(key=init_key(seed))
-
-    def mean_of(k, g):
+    def step(leaf: Leaf) -> LeafStep:
+        k, g = leaf.key, leaf.update
         if not share_scaler:
-            return compressed_mean(own_scaler, k, g, axis_name).mean
+            return LeafStep(compressed_mean(own_scaler, k, g, axis_name).mean)
         y = g.reshape(-1).astype(jnp.float32)
         if clip is not None:
             y = clip_to_std(y, clip)
         scale = shared_max(jnp.max(jnp.abs(y), initial=0.0), axis_name)
         codes = ternarize(worker_key(k, axis_name), y, scale)
         mean = ternary_mean(ternary_values(codes), scale, axis_name)
-        return mean.astype(g.dtype).reshape(g.shape)
+        return LeafStep(mean.astype(g.dtype).reshape(g.shape))
 
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        out = [mean_of(k, g) for k, g in zip(keys, leaves.arrays, strict=True)]
-        out, new_state = guarded(bad, out, TernGradState(key), state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    return leafwise(sc, step)

@@ -4,6 +4,23 @@ The message is a padded sparse message with an exact bit counter (see
 :mod:`compjax.transforms.padded_sparse`; Strom's threshold method, its
 baseline, is :mod:`compjax.transforms.strom`).
 
+Wire format of :func:`variance_based` (per leaf, or per tree with ``flatten``; ``K``
+slots, see ``budget``): ``indices`` int32[K], ``codes`` 4-bit codes packed two per
+byte (uint8[ceil(K/2)], first code in the low nibble), ``scale`` one
+float32 ``M``, the largest ``|r|`` sent.  A code is ``8 * s + k``: sign bit
+``s`` (1 = negative) and exponent offset ``k`` in 0..7, decoding to
+``(-1)^s M 2^-k``; ``|r|`` is rounded to the nearest such magnitude (ties
+upwards), and a chosen coordinate with ``|r| < M 2^-8`` (nearer to 0) is
+not sent this step (it stays accumulated, as if it had not qualified).
+Unused slots hold index ``d`` (dropped) and code 0.
+
+Bits: the padded message is ``32 K + 8 ceil(K/2) + 32`` bits (what
+:func:`compjax.communication` reports, with the 8-bit non-finite flag);
+the real message of ``m`` sent coordinates is ``36 m`` bits, plus 32 for
+the scale when ``m > 0`` (separate int32 indices allow any ``d < 2^31``;
+packing index and code into one 32-bit word would need ``d < 2^28``).
+The state counts the real bits exactly (:func:`compjax.real_bits_sent`).
+
 References:
   Tsuzuku, Imachi, Akiba, "Variance-based Gradient Compression for Efficient
   Distributed Deep Learning", ICLR Workshop 2018 (arXiv:1802.06058).  The
@@ -62,36 +79,18 @@ import numpy as np
 import optax
 
 from compjax import packing
-from compjax.collectives import AxisName, num_workers, record
+from compjax.collectives import AxisName
 from compjax.payload import Payload
-from compjax.transforms.base import (
-    Leaves,
-    any_non_finite,
-    cast_like,
-    check_state_dtype,
-    counted,
-    guarded,
-    saturated,
-    state_zeros,
-)
-from compjax.transforms.padded_sparse import (
-    INDEX_BITS,
-    add_bits,
-    budget_slots,
-    check_budget,
-    check_real,
-    gather,
-    new_counter,
-    scatter_mean,
-    select_slots,
-)
+from compjax.transforms import padded_sparse as sparse
+from compjax.transforms.base import Leaves, any_non_finite, counted, saturated
+from compjax.transforms.scaffold import Leaf, LeafStep, Scaffold, begin, end, init, scaffold
 
 #: Bits of one variance-based code: a sign bit and a 3-bit exponent offset.
 CODE_BITS = 4
 #: Bits of the per-message float32 scale of variance-based messages.
 SCALE_BITS = 32
 #: Real bits per coordinate sent: index and code.
-VARIANCE_BASED_ENTRY_BITS = INDEX_BITS + CODE_BITS
+VARIANCE_BASED_ENTRY_BITS = sparse.INDEX_BITS + CODE_BITS
 
 _EXPONENTS = 8  # codes 0..7: magnitudes scale * 2**-k
 _LEVELS = np.asarray([2.0**-k for k in range(_EXPONENTS)], np.float32)
@@ -133,7 +132,7 @@ def _vb_encode(r: jax.Array, v: jax.Array, alpha, slots: int):
     qualify = r2 > alpha * v
     positive = v > 0
     score = jnp.where(positive, r2 / jnp.where(positive, v, 1.0), jnp.inf)
-    idx, chosen = select_slots(score, qualify, slots)
+    idx, chosen = sparse.select_slots(score, qualify, slots)
     picked = r[idx]
     mag = jnp.abs(picked)
     scale = jnp.max(jnp.where(chosen, mag, 0.0))
@@ -261,23 +260,8 @@ def variance_based(
     such a residual starts with ``v = 0`` and is judged against the variance
     of the gradients that follow.
 
-    Wire format (per leaf, or per tree with ``flatten``; ``K`` slots, see
-    ``budget``): ``indices`` int32[K], ``codes`` 4-bit codes packed two per
-    byte (uint8[ceil(K/2)], first code in the low nibble), ``scale`` one
-    float32 ``M``, the largest ``|r|`` sent.  A code is ``8 * s + k``: sign bit
-    ``s`` (1 = negative) and exponent offset ``k`` in 0..7, decoding to
-    ``(-1)^s M 2^-k``; ``|r|`` is rounded to the nearest such magnitude (ties
-    upwards), and a chosen coordinate with ``|r| < M 2^-8`` (nearer to 0) is
-    not sent this step (it stays accumulated, as if it had not qualified).
-    Unused slots hold index ``d`` (dropped) and code 0.
-
-    Bits: the padded message is ``32 K + 8 ceil(K/2) + 32`` bits (what
-    :func:`compjax.communication` reports, with the 8-bit non-finite flag);
-    the real message of ``m`` sent coordinates is ``36 m`` bits, plus 32 for
-    the scale when ``m > 0`` (separate int32 indices allow any ``d < 2^31``;
-    packing index and code into one 32-bit word would need ``d < 2^28``).
-    The state counts
-    the real bits exactly (:func:`compjax.real_bits_sent`).
+    Wire format and bits: see the module docstring; the state counts the
+    real bits sent exactly (:func:`compjax.real_bits_sent`).
 
     Budget: when more than ``K`` coordinates qualify, the ``K`` largest by
     ``r^2 / v`` (``v = 0`` counting as infinite; ties to the lower index) are
@@ -306,6 +290,11 @@ def variance_based(
         :mod:`compjax.transforms.base`): ``None`` keeps them in float32 (or
         the parameters' dtype where wider); messages are the same either way.
 
+    Returns:
+      An ``optax.GradientTransformation`` taking per-example gradients and
+      returning the mean over the workers of the decoded messages, with the
+      parameters' shapes, in the gradients' dtype.
+
     Raises:
       ValueError: ``alpha``, ``zeta``, ``budget`` or ``state_dtype`` invalid
         (at construction); updates without a common leading batch axis (at update).
@@ -316,64 +305,51 @@ def variance_based(
       (arXiv:1802.06058); the module docstring says which rules are the
       paper's (no equation numbers: its body was not available).
     """
-    check_real("alpha", alpha, lambda x: x > 0, "a finite number > 0")
-    check_real("zeta", zeta, lambda x: 0 < x <= 1, "in (0, 1]")
-    check_budget(budget)
-    zeros = state_zeros(check_state_dtype(state_dtype))
+    sparse.check_real("alpha", alpha, lambda x: x > 0, "a finite number > 0")
+    sparse.check_real("zeta", zeta, lambda x: 0 < x <= 1, "in (0, 1]")
+    sparse.check_budget(budget)
+    sc = scaffold(VarianceBasedState, axis_name, flatten, state_dtype=state_dtype)
+    step = functools.partial(_vb_step, alpha=alpha, zeta=zeta, budget=budget, keep_error=keep_error)
+    return optax.GradientTransformation(
+        functools.partial(init, sc), counted(functools.partial(_vb_update, sc, step))
+    )
 
-    def init_fn(params):
-        leaves = Leaves(params, flatten)
-        return VarianceBasedState(
-            r=leaves.worker_state(zeros),
-            v=leaves.worker_state(zeros),
-            bits_sent=new_counter(),
-        )
 
-    def update_fn(updates, state, params=None):
-        size = _batch_size(updates)
-        bad = any_non_finite(jax.tree.leaves(updates), axis_name)
-        moments = [_batch_moments(g, size) for g in jax.tree.leaves(updates)]
-        treedef = jax.tree.structure(updates)
-        leaves = Leaves(jax.tree.unflatten(treedef, [m for m, _ in moments]), flatten)
-        sq = Leaves(jax.tree.unflatten(treedef, [s for _, s in moments]), flatten).arrays
-        rs = leaves.read(state.r, "r", per_worker=True)
-        vs = leaves.read(state.v, "v", per_worker=True)
-        n = num_workers(axis_name)
-        counter = state.bits_sent[0]
-        out, new_r, new_v = [], [], []
-        for m, s, r, v in zip(leaves.arrays, sq, rs, vs, strict=True):
-            shape, d = m.shape, m.size
-            slots = budget_slots(budget, d)
-            if slots == 0:
-                out.append(jnp.zeros(shape, jnp.float32))
-                new_r.append(r)
-                new_v.append(v)
-                continue
-            r_acc = (r + m).reshape(-1)
-            v_acc = saturated(v + s).reshape(-1)
-            payload, idx, q, send = _vb_encode(r_acc, v_acc, alpha, slots)
-            record("payload", payload, "all_gather", axis_name)
-            indices, values = jax.vmap(functools.partial(_vb_decode, slots=slots))(
-                gather(payload, axis_name).wire
-            )
-            out.append(scatter_mean(indices, values, d, n).reshape(shape))
-            sent = jnp.zeros((d,), bool).at[idx].set(send)
-            if keep_error:
-                r_out = r_acc.at[idx].add(-q)
-            else:
-                r_out = r_acc.at[idx].set(jnp.where(send, 0.0, r_acc[idx]))
-            new_r.append(r_out.reshape(shape))
-            new_v.append(jnp.where(sent, 0.0, zeta * v_acc).reshape(shape))
-            n_sent = jnp.sum(send)
-            counter = add_bits(counter, n_sent, VARIANCE_BASED_ENTRY_BITS)
-            counter = add_bits(counter, n_sent > 0, SCALE_BITS)
-        new_state = VarianceBasedState(
-            r=leaves.write(cast_like(new_r, rs), per_worker=True),
-            v=leaves.write(cast_like(new_v, vs), per_worker=True),
-            bits_sent=counter[None],
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        out = jax.tree.map(lambda o, g: o.astype(g.dtype), leaves.rebuild(out), updates)
-        return out, new_state
+def _vb_update(sc: Scaffold, step: Callable, updates: Any, state: Any, params: Any = None):
+    """One step on per-example gradients: the batch moments, then :func:`_vb_step` per leaf."""
+    size = _batch_size(updates)
+    check = any_non_finite(jax.tree.leaves(updates), sc.axis_name)
+    moments = [_batch_moments(g, size) for g in jax.tree.leaves(updates)]
+    treedef = jax.tree.structure(updates)
+    rnd = begin(sc, jax.tree.unflatten(treedef, [m for m, _ in moments]), state, check)
+    squares = Leaves(jax.tree.unflatten(treedef, [s for _, s in moments]), sc.flatten).arrays
+    steps = [step(leaf, s, sc.axis_name) for leaf, s in zip(rnd.rows, squares, strict=True)]
+    out, new_state = end(sc, rnd, state, steps)
+    return jax.tree.map(lambda o, g: o.astype(g.dtype), out, updates), new_state
 
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+
+def _vb_step(
+    leaf: Leaf, square: jax.Array, axis_name: AxisName, alpha, zeta, budget, keep_error: bool
+) -> LeafStep:
+    """One worker's message for one leaf, its update (float32) and new ``r`` and ``v``.
+
+    ``leaf.update`` is the leaf's minibatch mean and ``square`` its variance estimate.
+    """
+    m, (r, v) = leaf.update, leaf.state
+    shape, d = m.shape, m.size
+    slots = sparse.budget_slots(budget, d)
+    if slots == 0:
+        return LeafStep(jnp.zeros(shape, jnp.float32), (r, v))
+    r_acc = (r + m).reshape(-1)
+    v_acc = saturated(v + square).reshape(-1)
+    payload, idx, q, send = _vb_encode(r_acc, v_acc, alpha, slots)
+    mean = sparse.sparse_mean(payload, functools.partial(_vb_decode, slots=slots), axis_name)
+    sent = jnp.zeros((d,), bool).at[idx].set(send)
+    if keep_error:
+        r_out = r_acc.at[idx].add(-q)
+    else:
+        r_out = r_acc.at[idx].set(jnp.where(send, 0.0, r_acc[idx]))
+    v_out = jnp.where(sent, 0.0, zeta * v_acc)
+    n_sent = jnp.sum(send)
+    bits = ((n_sent, VARIANCE_BASED_ENTRY_BITS), (n_sent > 0, SCALE_BITS))
+    return LeafStep(mean.reshape(shape), (r_out.reshape(shape), v_out.reshape(shape)), sent=bits)
