@@ -3,6 +3,7 @@
 decaying memory over DiLoCo rounds."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -371,3 +372,13 @@ def test_reference_options_refuse_a_non_finite_step():
     assert all(np.all(np.isnan(np.asarray(a))) for a in jax.tree.leaves(new_params))
     for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("options", [{}, {"average": "senders"}], ids=["default", "reference"])
+def test_float64_params_are_refused_at_init_on_either_path(options):
+    """The reference options' state refuses float64 params as the default path (diloco) does."""
+    tx = compjax.sparseloco(optax.sgd(0.1), 2, "data", **options)
+    with jax.enable_x64(True):
+        wide = {"w": jnp.zeros((6, 4), jnp.float64), "b": jnp.zeros(4, jnp.float32)}
+        with pytest.raises(ValueError, match=re.escape("got float64 at params['w']")):
+            jax.vmap(lambda _: tx.init(wide))(jnp.arange(N))

@@ -48,20 +48,9 @@ import optax
 
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.compressors.dense import identity
 from compjax.exchange import Exchange, as_exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    cast_like,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
-)
-from compjax.transforms.per_worker_params import check_params_dtype
+from compjax.transforms.base import ServerMemory, counted
+from compjax.transforms.outer import CompressedMean, EveryH, check_positive, error_memory
 from compjax.transforms.streaming_diloco import StreamingDiLoCoState
 from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
@@ -183,107 +172,21 @@ def diloco(
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
       Language Models", arXiv 2311.08105, 2023.
     """
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+    check_positive("sync_every", sync_every)
     as_exchange(exchange)
-    if compressor is None and error_feedback:
-        raise ValueError("error_feedback=True needs a compressor: the exact mean loses nothing")
-    comp = identity() if compressor is None else compressor
-    keep_error = (not comp.unbiased) if error_feedback is None else bool(error_feedback)
+    comp, keep_error = error_memory(compressor, error_feedback)
     if not 0.0 <= error_decay <= 1.0 or (error_decay < 1.0 and not keep_error):
         raise ValueError(
             f"error_decay must be in [0, 1] and below 1 only with an error memory, "
             f"got {error_decay!r} (error memory: {keep_error})"
         )
-    server = ServerMemory(comp, exchange)
-    fill = state_zeros(None)
-
-    def init_fn(params):
-        check_params_dtype(params, "diloco")
-        leaves = Leaves(params, flatten=False)
-        theta = leaves.rebuild([a.astype(fill(a).dtype) for a in leaves.arrays])
-        return DiLoCoState(
-            count=jnp.zeros([], jnp.int32),
-            key=init_key(seed),
-            global_params=theta,
-            outer_state=outer.init(theta),
-            inner_state=jax.tree.map(lambda x: jnp.asarray(x)[None], inner.init(params)),
-            error=leaves.worker_state(fill) if keep_error else (),
-            server_error=server.init(leaves),
-        )
-
-    def sync(state, keys, local, params, errors, memories):
-        """The round's end: the updates to the new global params, its outer state, memories."""
-        theta = jax.tree.leaves(state.global_params)
-        means, new_errors, new_memories = [], [], []
-        for k, t, lo, e, m in zip(keys, theta, local, errors, memories, strict=True):
-            p = t - lo.astype(t.dtype)  # the pseudo-gradient, in the state's dtype
-            if keep_error:
-                p = p + (e if error_decay == 1.0 else jnp.asarray(error_decay, e.dtype) * e)
-            sent = compressed_mean(comp, k, p, axis_name, exchange, m)
-            means.append(sent.mean)
-            new_errors.append(sent.residual(p) if keep_error else e)
-            new_memories.append(sent.memory)
-        delta = jax.tree.unflatten(jax.tree.structure(state.global_params), means)
-        outer_updates, outer_state = outer.update(delta, state.outer_state, state.global_params)
-        new_theta = optax.apply_updates(state.global_params, outer_updates)
-        out = [
-            t - p.astype(t.dtype) for t, p in zip(jax.tree.leaves(new_theta), params, strict=True)
-        ]
-        return out, new_theta, outer_state, new_errors, new_memories
-
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(
-                "diloco: update(grads, state, params) needs params, this worker's own params"
-            )
-        leaves = Leaves(updates, flatten=False)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
-        inner_updates, inner_state = inner.update(updates, inner_state, params)
-        local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
-        params_arrays = jax.tree.leaves(params)
-        # Updates in the wider of the inner update's and the params' dtypes: a sync's update
-        # to float32 params is not rounded to a bfloat16 gradient's precision.
-        inner_out = [
-            u.astype(jnp.promote_types(u.dtype, p.dtype))
-            for u, p in zip(jax.tree.leaves(inner_updates), params_arrays, strict=True)
-        ]
-        none = [None] * len(leaves.arrays)
-        errors = leaves.read(state.error, "error", per_worker=True) if keep_error else none
-        memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        count = state.count + 1
-
-        # New closures at every trace: a cached branch would not log its messages again.
-        def at_sync(local, params, errors, memories):
-            out, theta, outer_state, errors, memories = sync(
-                state, keys, local, params, errors, memories
-            )
-            out = [o.astype(u.dtype) for o, u in zip(out, inner_out, strict=True)]
-            return out, theta, outer_state, errors, memories
-
-        def in_round(local, params, errors, memories):
-            return inner_out, state.global_params, state.outer_state, errors, memories
-
-        out, theta, outer_state, new_errors, new_memories = jax.lax.cond(
-            count % sync_every == 0, at_sync, in_round, local, params_arrays, errors, memories
-        )
-        new_state = DiLoCoState(
-            count=count,
-            key=key,
-            global_params=theta,
-            outer_state=outer_state,
-            inner_state=jax.tree.map(lambda x: x[None], inner_state),
-            error=leaves.write(cast_like(new_errors, errors), per_worker=True)
-            if keep_error
-            else (),
-            server_error=server.write(leaves, new_memories, memories),
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    rounds = EveryH(
+        DiLoCoState, "diloco", inner, outer, sync_every, axis_name,
+        send=CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error),
+        keep_error=keep_error, error_decay=error_decay, server=ServerMemory(comp, exchange),
+        seed=seed,
+    )  # fmt: skip
+    return optax.GradientTransformation(rounds.init, counted(rounds.update))
 
 
 def worker_copies(params: Any, num_workers: int) -> Any:
@@ -293,11 +196,17 @@ def worker_copies(params: Any, num_workers: int) -> Any:
     ``jax.vmap``/``jax.pmap``, or split it with ``P(axis_name)`` under
     ``jax.shard_map`` (each worker then sees a leading axis of size 1).
 
+    Args:
+      params: the replicated params (a pytree of arrays).
+      num_workers: ``n``, the number of workers.
+
+    Returns:
+      ``params`` with every leaf broadcast to shape ``(n, *leaf.shape)``.
+
     Raises:
       ValueError: ``num_workers`` is not a positive integer.
     """
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-        raise ValueError(f"num_workers must be a positive integer, got {num_workers!r}")
+    check_positive("num_workers", num_workers)
     return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers, *jnp.shape(x))), params)
 
 
@@ -317,6 +226,10 @@ def global_params(opt_state: Any, stacked: bool = False) -> Any:
       stacked: the state comes from ``jax.vmap`` or ``jax.pmap``, which stack
         even the shared fields on the worker axis: return worker 0's (every
         worker's are the same).
+
+    Returns:
+      The global params, a pytree of the params' structure in float32
+      (without the worker axis when ``stacked``).
 
     Raises:
       ValueError: ``opt_state`` holds no such state, or several.

@@ -7,6 +7,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -17,17 +18,9 @@ from compjax import collectives, merges
 from compjax.collectives import AxisName
 from compjax.compressors.chunked import ChunkedTopK, chunk_layout, chunked_top_k
 from compjax.exchange import Exchange, as_exchange
-from compjax.transforms.base import (
-    Leaves,
-    any_non_finite,
-    cast_like,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
-)
+from compjax.transforms.base import ServerMemory, counted
 from compjax.transforms.diloco import DiLoCoState, diloco
+from compjax.transforms.outer import EveryH, check_positive
 
 MERGES = ("mean", "median_norm_clip")
 AVERAGES = ("workers", "senders")
@@ -126,6 +119,22 @@ def sparseloco(
             error_decay=error_decay,
             seed=seed,
         )
+    _check_reference_options(chunk_1d, merge, average, exchange, sync_every, error_decay)
+    vector = comp if chunk_1d is None else chunked_top_k(min(k, chunk_1d), chunk_1d, bits)
+    rounds = EveryH(
+        DiLoCoState, "sparseloco", inner, optax.sgd(outer_lr), sync_every, axis_name,
+        send=MergedSend(comp, vector, axis_name, merge, average), keep_error=True,
+        error_decay=error_decay, server=ServerMemory(comp, exchange), seed=seed,
+    )  # fmt: skip
+    return optax.GradientTransformation(rounds.init, counted(rounds.update))
+
+
+def _check_reference_options(chunk_1d, merge, average, exchange, sync_every, error_decay):
+    """Refuse :func:`sparseloco`'s arguments that its reference options cannot take.
+
+    Raises:
+      ValueError: naming the argument.
+    """
     if chunk_1d is not None and (
         isinstance(chunk_1d, bool) or not isinstance(chunk_1d, int) or chunk_1d < 1
     ):
@@ -138,15 +147,9 @@ def sparseloco(
         raise ValueError(
             f"exchange must be 'all_gather' with chunk_1d, merge or average set, got {exchange!r}"
         )
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+    check_positive("sync_every", sync_every)
     if not 0.0 <= error_decay <= 1.0:
         raise ValueError(f"error_decay must be in [0, 1], got {error_decay!r}")
-    vector = comp if chunk_1d is None else chunked_top_k(min(k, chunk_1d), chunk_1d, bits)
-    return _merged(
-        inner, optax.sgd(outer_lr), sync_every, axis_name, comp, vector, merge, average,
-        error_decay, seed,
-    )  # fmt: skip
 
 
 def is_vector(shape) -> bool:
@@ -173,82 +176,28 @@ def merged_messages(messages: jax.Array, sent: jax.Array, merge: str, average: s
     return jnp.where(senders > 0, total / jnp.maximum(senders, 1.0), 0.0)
 
 
-def _merged(inner, outer, sync_every, axis_name, matrix, vector, merge, average, beta, seed):
-    """SparseLoCo's round with every message gathered and merged (:func:`sparseloco`)."""
-    fill = state_zeros(None)
+@dataclasses.dataclass(frozen=True, eq=False)
+class MergedSend:
+    """:data:`compjax.transforms.outer.Send` of SparseLoCo's reference options: every
+    worker's chunked top-k message gathered and merged (:func:`merged_messages`).
 
-    def init_fn(params):
-        leaves = Leaves(params, flatten=False)
-        theta = leaves.rebuild([a.astype(fill(a).dtype) for a in leaves.arrays])
-        return DiLoCoState(
-            count=jnp.zeros([], jnp.int32),
-            key=init_key(seed),
-            global_params=theta,
-            outer_state=outer.init(theta),
-            inner_state=jax.tree.map(lambda x: jnp.asarray(x)[None], inner.init(params)),
-            error=leaves.worker_state(fill),
-        )
+    ``matrix`` compresses the leaves with two or more dimensions above 1,
+    ``vector`` the others (:func:`is_vector`); the residual is this worker's
+    pseudo-gradient less its own message.  No shard owner's memory is kept.
+    """
 
-    def sync(state, keys, local, params, errors):
-        theta = jax.tree.leaves(state.global_params)
-        means, new_errors = [], []
-        for key, t, lo, e in zip(keys, theta, local, errors, strict=True):
-            comp = vector if is_vector(t.shape) else matrix
-            p = t - lo.astype(t.dtype) + jnp.asarray(beta, e.dtype) * e
-            payload = comp.compress(collectives.worker_key(key, axis_name), p)
-            collectives.record("payload", payload, "all_gather", axis_name)
-            gathered = collectives.all_gather(payload, axis_name)
-            decoded = jax.vmap(comp.decompress)(gathered).reshape(-1, t.size)
-            sent = jax.vmap(functools.partial(_sent, comp, n=t.size))(gathered.wire)
-            means.append(merged_messages(decoded, sent, merge, average).reshape(t.shape))
-            new_errors.append(comp.subtract_decoded(payload, p))
-        delta = jax.tree.unflatten(jax.tree.structure(state.global_params), means)
-        outer_updates, outer_state = outer.update(delta, state.outer_state, state.global_params)
-        new_theta = optax.apply_updates(state.global_params, outer_updates)
-        out = [
-            t - p.astype(t.dtype) for t, p in zip(jax.tree.leaves(new_theta), params, strict=True)
-        ]
-        return out, new_theta, outer_state, new_errors
+    matrix: ChunkedTopK
+    vector: ChunkedTopK
+    axis_name: AxisName
+    merge: str
+    average: str
 
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(
-                "sparseloco: update(grads, state, params) needs params, this worker's own params"
-            )
-        leaves = Leaves(updates, flatten=False)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
-        inner_updates, inner_state = inner.update(updates, inner_state, params)
-        local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
-        params_arrays = jax.tree.leaves(params)
-        inner_out = [
-            u.astype(jnp.promote_types(u.dtype, p.dtype))
-            for u, p in zip(jax.tree.leaves(inner_updates), params_arrays, strict=True)
-        ]
-        errors = leaves.read(state.error, "error", per_worker=True)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        count = state.count + 1
-
-        def at_sync(local, params, errors):
-            out, theta, outer_state, errors = sync(state, keys, local, params, errors)
-            out = [o.astype(u.dtype) for o, u in zip(out, inner_out, strict=True)]
-            return out, theta, outer_state, errors
-
-        def in_round(local, params, errors):
-            return inner_out, state.global_params, state.outer_state, errors
-
-        out, theta, outer_state, new_errors = jax.lax.cond(
-            count % sync_every == 0, at_sync, in_round, local, params_arrays, errors
-        )
-        new_state = DiLoCoState(
-            count=count,
-            key=key,
-            global_params=theta,
-            outer_state=outer_state,
-            inner_state=jax.tree.map(lambda x: x[None], inner_state),
-            error=leaves.write(cast_like(new_errors, errors), per_worker=True),
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    def __call__(self, key: jax.Array, p: jax.Array, memory: None) -> tuple:
+        comp = self.vector if is_vector(p.shape) else self.matrix
+        payload = comp.compress(collectives.worker_key(key, self.axis_name), p)
+        collectives.record("payload", payload, "all_gather", self.axis_name)
+        gathered = collectives.all_gather(payload, self.axis_name)
+        decoded = jax.vmap(comp.decompress)(gathered).reshape(-1, p.size)
+        sent = jax.vmap(functools.partial(_sent, comp, n=p.size))(gathered.wire)
+        mean = merged_messages(decoded, sent, self.merge, self.average).reshape(p.shape)
+        return mean, comp.subtract_decoded(payload, p), memory

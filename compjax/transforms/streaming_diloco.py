@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -37,20 +38,15 @@ import optax
 
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.compressors.dense import identity
 from compjax.exchange import Exchange, as_exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    cast_like,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
+from compjax.transforms.base import ServerMemory, counted
+from compjax.transforms.outer import (
+    CompressedMean,
+    LocalSteps,
+    error_memory,
+    moved,
+    outer_round,
 )
-from compjax.transforms.per_worker_params import check_params_dtype
 
 if TYPE_CHECKING:
     from compjax.accounting import CommunicationReport
@@ -245,113 +241,89 @@ def streaming_diloco(
     if not 0.0 <= float(mixing) <= 1.0:
         raise ValueError(f"mixing must be in [0, 1], got {mixing!r}")
     as_exchange(exchange)
-    if compressor is None and error_feedback:
-        raise ValueError("error_feedback=True needs a compressor: the exact mean loses nothing")
-    comp = identity() if compressor is None else compressor
-    keep_error = (not comp.unbiased) if error_feedback is None else bool(error_feedback)
-    server = ServerMemory(comp, exchange)
-    fill = state_zeros(None)
-    offsets = sync_offsets(sync_every, fragments)
+    comp, keep_error = error_memory(compressor, error_feedback)
+    streaming = _Streaming(
+        StreamingDiLoCoState, "streaming_diloco", inner, outer, sync_every, axis_name,
+        send=CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error),
+        keep_error=keep_error, server=ServerMemory(comp, exchange), seed=seed,
+        fragments=fragments, delay=delay, mixing=mixing,
+    )  # fmt: skip
+    return optax.GradientTransformation(streaming.init, counted(streaming.update))
 
-    def members(num_leaves: int) -> list[list[int]]:
-        owner = fragment_of(num_leaves, fragments)
-        return [[i for i in range(num_leaves) if owner[i] == p] for p in range(fragments)]
 
-    def init_fn(params):
-        check_params_dtype(params, "streaming_diloco")
-        leaves = Leaves(params, flatten=False)
-        theta = [a.astype(fill(a).dtype) for a in leaves.arrays]
-        return StreamingDiLoCoState(
-            count=jnp.zeros([], jnp.int32),
-            key=init_key(seed),
-            global_params=leaves.rebuild(theta),
-            outer_state=tuple(outer.init([theta[i] for i in ids]) for ids in members(len(theta))),
-            inner_state=jax.tree.map(lambda x: jnp.asarray(x)[None], inner.init(params)),
-            error=leaves.worker_state(fill) if keep_error else (),
-            server_error=server.init(leaves),
-        )
+def _members(num_leaves: int, fragments: int) -> list[list[int]]:
+    """The leaves' indices of each fragment."""
+    owner = fragment_of(num_leaves, fragments)
+    return [[i for i in range(num_leaves) if owner[i] == p] for p in range(fragments)]
 
-    def send(ids, keys, theta, outer_state, local, errors, memories):
-        """One fragment's exchange and outer step: its new theta, outer state and memories."""
-        means, errors, memories = [], list(errors), list(memories)
-        for j, i in enumerate(ids):
-            p = theta[j] - local[j].astype(theta[j].dtype)
-            if keep_error:
-                p = p + errors[j]
-            sent = compressed_mean(comp, keys[i], p, axis_name, exchange, memories[j])
-            means.append(sent.mean)
-            if keep_error:
-                errors[j] = sent.residual(p)
-            memories[j] = sent.memory
-        outer_updates, outer_state = outer.update(means, outer_state, theta)
-        return optax.apply_updates(theta, outer_updates), outer_state, errors, memories
 
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(
-                "streaming_diloco: update(grads, state, params) needs params, this "
-                "worker's own params"
-            )
-        leaves = Leaves(updates, flatten=False)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        n = len(leaves.arrays)
-        inner_state = jax.tree.map(lambda x: x[0], state.inner_state)
-        inner_updates, inner_state = inner.update(updates, inner_state, params)
-        local = jax.tree.leaves(optax.apply_updates(params, inner_updates))
-        own = jax.tree.leaves(params)
-        # Updates in the wider of the inner update's and the params' dtypes (see diloco).
-        inner_out = [
-            u.astype(jnp.promote_types(u.dtype, p.dtype))
-            for u, p in zip(jax.tree.leaves(inner_updates), own, strict=True)
-        ]
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Streaming(LocalSteps):
+    """:func:`streaming_diloco`'s ``init`` and ``update``: :class:`LocalSteps` whose
+    fragments synchronise on their own steps."""
+
+    fragments: int
+    delay: int
+    mixing: float
+
+    def outer_init(self, theta: Any) -> tuple:
+        """One outer state per fragment, of its leaves of ``theta``."""
+        leaves = jax.tree.leaves(theta)
+        ids_of = _members(len(leaves), self.fragments)
+        return tuple(self.outer.init([leaves[i] for i in ids]) for ids in ids_of)
+
+    def update(self, updates: Any, state: StreamingDiLoCoState, params: Any = None) -> tuple:
+        step = self.inner_step(updates, state, params)
         theta = list(jax.tree.leaves(state.global_params))
-        none = [None] * n
-        errors = leaves.read(state.error, "error", per_worker=True) if keep_error else none
-        old_errors, memories = list(errors), server.read(leaves, state.server_error)
-        errors, new_memories = list(errors), list(memories)
-        key, keys = step_keys(state.key, n)
-        count = state.count + 1
+        old_errors, old_memories = self.memories(step, state)
+        errors, memories = list(old_errors), list(old_memories)
         outer_states = list(state.outer_state)
-        out = list(inner_out)
-        for p, ids in enumerate(members(n)):
-            pick = lambda xs, ids=ids: [xs[i] for i in ids]  # noqa: E731
-
-            # New closures at every trace: a cached branch would not log its messages again.
-            def sending(th, os, lo, es, ms, ids=ids):
-                return send(ids, keys, th, os, lo, es, ms)
-
-            def waiting(th, os, lo, es, ms):
-                return th, os, es, ms
-
-            th, outer_states[p], es, ms = jax.lax.cond(
-                count % sync_every == offsets[p],
-                sending,
-                waiting,
-                pick(theta),
-                outer_states[p],
-                pick(local),
-                pick(errors),
-                pick(new_memories),
+        out = list(step.inner_out)
+        offsets = sync_offsets(self.sync_every, self.fragments)
+        count = step.count
+        for p, ids in enumerate(_members(len(step.leaves.arrays), self.fragments)):
+            th, outer_states[p], es, ms = self._fragment(
+                step, ids, offsets[p], theta, outer_states[p], errors, memories
             )
             # delay steps after sending (count - delay >= 1: a first send happened)
-            merging = ((count - delay) % sync_every == offsets[p]) & (count > delay)
+            merging = ((count - self.delay) % self.sync_every == offsets[p]) & (count > self.delay)
             for j, i in enumerate(ids):
-                theta[i], errors[i], new_memories[i] = th[j], es[j], ms[j]
-                target = th[j] if mixing == 0 else mixing * local[i] + (1 - mixing) * th[j]
-                moved = (target - own[i].astype(th[j].dtype)).astype(inner_out[i].dtype)
-                out[i] = jnp.where(merging, moved, inner_out[i])
-        new_state = StreamingDiLoCoState(
-            count=count,
-            key=key,
-            global_params=leaves.rebuild(theta),
-            outer_state=tuple(outer_states),
-            inner_state=jax.tree.map(lambda x: x[None], inner_state),
-            error=leaves.write(cast_like(errors, old_errors), per_worker=True)
-            if keep_error
-            else (),
-            server_error=server.write(leaves, new_memories, memories),
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
+                theta[i], errors[i], memories[i] = th[j], es[j], ms[j]
+                target = self._mixed(step.local[i], th[j])
+                out[i] = jnp.where(merging, moved(target, step.params[i], out[i]), out[i])
+        return self.finish(
+            step, state, out, global_params=step.leaves.rebuild(theta),
+            outer_state=tuple(outer_states), errors=errors, old_errors=old_errors,
+            memories=memories, old_memories=old_memories,
+        )  # fmt: skip
 
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    def _mixed(self, local: jax.Array, theta: jax.Array) -> jax.Array:
+        """``mixing local + (1 - mixing) theta`` (``theta`` when ``mixing`` is 0)."""
+        return theta if self.mixing == 0 else self.mixing * local + (1 - self.mixing) * theta
+
+    def _fragment(self, step, ids, offset, theta, outer_state, errors, memories) -> tuple:
+        """Fragment ``ids``'s exchange and outer step on its steps (``lax.cond``), else its
+        state as it was: its theta, outer state, error memories and shard owners' memories."""
+
+        def pick(xs):
+            return [xs[i] for i in ids]
+
+        keys = pick(step.keys)
+
+        # New closures at every trace: a cached branch would not log its messages again.
+        def sending(th, os, lo, es, ms):
+            return outer_round(self.outer, self.send, keys, th, os, lo, es, ms)
+
+        def waiting(th, os, lo, es, ms):
+            return th, os, es, ms
+
+        return jax.lax.cond(
+            step.count % self.sync_every == offset,
+            sending,
+            waiting,
+            pick(theta),
+            outer_state,
+            pick(step.local),
+            pick(errors),
+            pick(memories),
+        )
