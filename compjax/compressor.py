@@ -53,9 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.draws import raw_key as raw_key
-from compjax.numerics import divide, ldexp, opaque, to_dtype, unit_scale
-from compjax.numerics import flatten as flatten
+from compjax.numerics import flatten, ldexp, opaque, to_dtype, unit_scale
 from compjax.payload import Payload
 from compjax.pieces import Pieces, split
 
@@ -131,11 +129,6 @@ def safe_norm(x: jax.Array, axis=None) -> jax.Array:
     n = jnp.sqrt(jnp.sum(jnp.square(ldexp(x, -e)), axis=axis, keepdims=True))
     out = ldexp(n, e)
     return out.squeeze(axis) if axis is not None else out.reshape(())
-
-
-def safe_divide(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``a / b`` with 0 wherever ``b == 0``, exact in range (:func:`compjax.numerics.divide`)."""
-    return divide(a, b)
 
 
 def unflatten(flat: jax.Array, shape) -> jax.Array:

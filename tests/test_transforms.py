@@ -305,7 +305,7 @@ def _terngrad_means(clip, grads, seed):
 
     def one(s):
         state = jax.vmap(lambda _: tx.init({"x": grads[0]}))(jnp.arange(4))
-        state = state._replace(key=jax.vmap(lambda _: compjax.compressor.raw_key(s))(state.key))
+        state = state._replace(key=jax.vmap(lambda _: compjax.draws.raw_key(s))(state.key))
         return jax.vmap(tx.update, axis_name="data")({"x": grads}, state)[0]["x"][0]
 
     return jax.vmap(one)(jax.random.split(jax.random.key(seed), 4000))

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import Compressor, dtype_max, to_dtype
+from compjax.compressor import Compressor, dtype_max
 from compjax.compressors.elementwise import Elementwise
-from compjax.numerics import widen
+from compjax.numerics import to_dtype, widen
 from compjax.packing import codes_per_element, pack, packed_bits, unpack
 
 _CAST_DTYPES = {
@@ -170,6 +170,13 @@ class Cast(Elementwise, Compressor):
 def identity() -> Identity:
     """The uncompressed baseline: ``C(x) = x``, 32 bits per float32 entry.
 
+    Args:
+      none: the compressor has no parameters.
+
+    Returns:
+      An :class:`Identity` compressor whose payload holds ``"values"``, the
+      array itself in its dtype; it decodes to the array unchanged.
+
     Examples:
       >>> import jax, jax.numpy as jnp, compjax
       >>> c = compjax.identity()
@@ -189,6 +196,11 @@ def cast(dtype) -> Cast:
         packed eight entries to a uint32 word), a name or a dtype.  The 8- and 4-bit
         types have a narrow range: scale the array into it first (entries
         below half the smallest subnormal, 2**-10 and 0.25, are sent as 0).
+
+    Returns:
+      A :class:`Cast` compressor whose payload holds ``"values"``, the array in
+      ``dtype`` (for ``float4_e2m1fn``: ``"codes"``, its 4-bit codes packed
+      eight to a uint32 word); it decodes to those values in the input's dtype.
 
     Examples:
       >>> import jax.numpy as jnp, compjax

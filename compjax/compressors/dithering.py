@@ -16,11 +16,19 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.compressor import Compressor, dtype_max, safe_divide
+from compjax.compressor import Compressor, dtype_max
 from compjax.compressors.elementwise import Elementwise
 from compjax.compressors.qsgd import l2_norm, norm_of_pieces, saturated_norm
 from compjax.draws import bernoulli
-from compjax.numerics import exponent, fraction_between, magnitude, pow2, round_to, unit_scale
+from compjax.numerics import (
+    divide,
+    exponent,
+    fraction_between,
+    magnitude,
+    pow2,
+    round_to,
+    unit_scale,
+)
 from compjax.pieces import Pieces
 
 _MAX_LEVELS = 64
@@ -71,6 +79,13 @@ def natural_dithering_omega(d: int, levels: int) -> float:
     ``s = 1`` (levels ``0, 1``) is QSGD with one level: ``sqrt(d) - 1``; ``s = 2``
     (levels ``0, 1/2, 1``) is QSGD with two: ``d/16`` for ``d < 16``.  Always
     below :func:`natural_dithering_paper_bound`.
+
+    Args:
+      d: the number of entries of the input.
+      levels: the number of nonzero levels ``s`` of :func:`natural_dithering`.
+
+    Returns:
+      The bound ``omega`` (a float; 0 for ``d <= 0``), exact in the cases named above.
     """
     if d <= 0:
         return 0.0
@@ -153,7 +168,7 @@ class NaturalDithering(packing.SignMagnitude, Elementwise, Compressor):
         # |x| by its bits: a jnp.abs here would be merged with the norm's and written out
         # whole for the norm's reduction (a full-size array, about a copy's time).
         mag = magnitude(flat)
-        y = jnp.minimum(safe_divide(mag, norm), 1.0)
+        y = jnp.minimum(divide(mag, norm), 1.0)
         # y in [2^e, 2^(e+1)), e = floor(log2 y) from y's exponent bits (-127 if subnormal,
         # which is below every level): the level at or below y.
         estimate = jnp.where(y > 0, jnp.clip(exponent(y) + s, 0, s), 0)
@@ -219,6 +234,11 @@ def natural_dithering(levels: int = 8, p: float = 2.0) -> NaturalDithering:
     Args:
       levels: number of nonzero levels ``s``, ``1 <= s <= 64``.
       p: the norm, ``p >= 1`` (``float('inf')`` for the max norm).
+
+    Returns:
+      A :class:`NaturalDithering` compressor whose payload holds ``"norm"``
+      (float32 ``||x||_p``) and ``"codes"`` (the sign-magnitude codes packed
+      into uint32 words); it decodes to ``norm sgn(x_i) xi_i``.
 
     Raises:
       ValueError: ``levels`` or ``p`` out of range.

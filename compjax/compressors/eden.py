@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from compjax import hadamard, packing
-from compjax.compressor import Compressor, raw_key, safe_divide
-from compjax.draws import stochastic_round
+from compjax.compressor import Compressor
+from compjax.draws import raw_key, stochastic_round
+from compjax.numerics import divide
 
 _FLOAT32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -125,7 +126,7 @@ class Drive(Compressor):
         key = raw_key(key)
         # Scale by m = max|x|: no overflow in the norms, zeros stay zeros.
         m = jnp.max(jnp.abs(flat), initial=0.0)
-        x = safe_divide(flat, m)
+        x = divide(flat, m)
         y = self._rotate(key, jnp.pad(x, (0, n - d)))
         if self.bit_width > 1:
             # Rotated coordinates in units of their rms, rounded to the nearest
@@ -135,14 +136,14 @@ class Drive(Compressor):
             rms = jnp.sqrt(sq / max(n, 1))
             # compare_all: one fused pass over y (the default binary search is a while loop
             # carrying full-size arrays); the same index, NaN included.
-            code = jnp.searchsorted(thresholds, safe_divide(y, rms), method="compare_all")
+            code = jnp.searchsorted(thresholds, divide(y, rms), method="compare_all")
             code = code.astype(jnp.uint32)
-            scale = jnp.minimum(m * safe_divide(sq, jnp.dot(y, centroids[code])), _FLOAT32_MAX)
+            scale = jnp.minimum(m * divide(sq, jnp.dot(y, centroids[code])), _FLOAT32_MAX)
             codes = packing.pack(code, self.bit_width)
             return {"scale": scale.reshape(1), "codes": codes}, {"key": key}
         l1 = jnp.sum(jnp.abs(y))
         if self.unbiased_scale:
-            scale = safe_divide(jnp.sum(x * x), l1)
+            scale = divide(jnp.sum(x * x), l1)
         else:
             scale = l1 / max(n, 1)
         scale = jnp.minimum(m * scale, _FLOAT32_MAX)
@@ -243,6 +244,13 @@ def eden(bits: int = 1, rounds: int = 3) -> Drive:
       bits: bits per rotated coordinate, 1, 2 or 4.
       rounds: randomized Hadamard rounds (the papers use 1), ``1..8``.
 
+    Returns:
+      A :class:`Drive` compressor (``unbiased_scale=True``) whose payload holds
+      ``"signs"`` (one bit: the packed signs of ``R x``) or ``"codes"`` (2 or 4
+      bits: the centroid indices, packed into uint32 words) and ``"scale"``
+      (float32 ``S``), with the rotation's key as side information; it
+      decodes to ``R^T (S q)`` cut back to ``d`` entries.
+
     Raises:
       ValueError: ``bits`` or ``rounds`` out of range.
 
@@ -279,6 +287,12 @@ def drive(rounds: int = 3, scale: str = "paper") -> Drive:
       rounds: randomized Hadamard rounds (the paper uses 1), ``1..8``.
       scale: ``"paper"`` (``||Rx||_1 / d'``, biased) or ``"authors"``
         (``||Rx||^2 / ||Rx||_1``, unbiased: :func:`eden` with one bit).
+
+    Returns:
+      A :class:`Drive` compressor whose payload holds ``"signs"`` (the ``d'``
+      signs of ``R x`` packed 32 to a uint32 word) and ``"scale"`` (float32
+      ``S``), with the rotation's key as side information; it decodes to
+      ``R^T (S sign(R x))`` cut back to ``d`` entries.
 
     Raises:
       ValueError: ``rounds`` out of range or ``scale`` not one of the two.

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.compressor import flatten, unflatten
+from compjax.compressor import unflatten
+from compjax.numerics import flatten
 from compjax.pieces import Pieces
 
 
