@@ -24,8 +24,8 @@ from compjax.compressors.combinators import blockwise, chain, scaled
 from compjax.compressors.dense import cast, identity
 from compjax.compressors.dithering import natural_dithering, natural_dithering_omega
 from compjax.compressors.eden import drive, eden
-from compjax.compressors.int_quant import (
-    int_quant,
+from compjax.compressors.int_quant import int_quant
+from compjax.compressors.int_quant_theory import (
     int_quant_mean_omega,
     int_quant_omega,
     int_quant_rotated_omega,
@@ -34,8 +34,9 @@ from compjax.compressors.l2_sign import l2_scaled_sign
 from compjax.compressors.microscaling import mx
 from compjax.compressors.natural import natural
 from compjax.compressors.qsgd import qsgd, qsgd_omega
+from compjax.compressors.rand_k import rand_k
 from compjax.compressors.sign import scaled_sign, sign
-from compjax.compressors.sparse import rand_k, top_k
+from compjax.compressors.sparse import top_k
 from compjax.compressors.terngrad import terngrad, terngrad_omega
 from compjax.dad import dad_communication, dad_grads, rank_dad_grads
 from compjax.exchange import Exchange, compressed_mean, compressed_reduce_scatter, hierarchical

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import compjax
-from compjax.compressors.sparse import RandK
+from compjax.compressors.rand_k import RandK
 from proofs_checks import check, result
 from proofs_checks._common import TwoPoint, Z, fmt, sq, test_vectors
 

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 import compjax
-from compjax.compressors.sparse import RandK
+from compjax.compressors.rand_k import RandK
 from proofs_checks import check, result
 from proofs_checks._common import TwoPoint, fmt
 

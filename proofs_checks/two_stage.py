@@ -41,7 +41,7 @@ import numpy as np
 import compjax
 from compjax.compressors.natural import Natural
 from compjax.compressors.qsgd import QSGD
-from compjax.compressors.sparse import RandK
+from compjax.compressors.rand_k import RandK
 from compjax.exchange import compressed_mean, two_stage_bound, two_stage_variance
 from proofs_checks import check, result
 from proofs_checks._common import TwoPoint, Z, chi2_mean, fmt, sq, z_mean

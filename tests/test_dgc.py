@@ -317,7 +317,7 @@ def test_threshold_is_lowered_into_the_band(iters, accepted):
 # (blocks of 8, no sub-blocks).
 @partial(jax.jit, static_argnames=("k", "iters"))
 def _both_selections(x, offset, k, iters):
-    samples, top = select_lib._samples(x, k, offset, 0.01)
+    samples, top = select_lib.sample_values(x, k, offset, 0.01)
     args = (samples, top, k, (0.8, 1.3), iters)
     reference = select_lib._reference_select(jnp.abs(x), *args)
     blocked = select_lib._blocked_select(x, *args)

@@ -1,4 +1,4 @@
-"""The exact top-k from a sampled threshold (selection.fast_exact_select): the indices of
+"""The exact top-k from a sampled threshold (exact_top_k.fast_exact_select): the indices of
 ``jax.lax.top_k`` of all of ``|x|`` (ties by increasing index), in increasing order,
 whichever path it takes.
 
@@ -15,12 +15,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import compjax
-from compjax.compressors import selection
+from compjax.compressors import exact_top_k, selection
 
 
 @partial(jax.jit, static_argnames="k")
 def _both(x, k):
-    fast = selection.fast_exact_select(x, k)
+    fast = exact_top_k.fast_exact_select(x, k)
     return fast.indices, fast.fallback, jnp.sort(selection.exact_select(x, k).indices)
 
 
@@ -73,9 +73,9 @@ def test_gaussians_take_the_candidates_and_misleading_inputs_the_full_top_k():
 
 
 def test_top_k_takes_the_fast_path_only_where_it_pays():
-    assert selection.fast_exact_pays(2**16, 655)  # density 0.01
-    assert not selection.fast_exact_pays(2**16, 5000)  # 1.5 k > d / 16
-    assert not selection.fast_exact_pays(2**15, 33)  # too small to matter
+    assert exact_top_k.fast_exact_pays(2**16, 655)  # density 0.01
+    assert not exact_top_k.fast_exact_pays(2**16, 5000)  # 1.5 k > d / 16
+    assert not exact_top_k.fast_exact_pays(2**15, 33)  # too small to matter
 
 
 def test_top_k_exact_on_a_large_input_under_shard_map_and_in_bfloat16():
@@ -83,7 +83,7 @@ def test_top_k_exact_on_a_large_input_under_shard_map_and_in_bfloat16():
     also under shard_map with inputs that differ between workers, and in bfloat16."""
     d, comp = 2**17, compjax.top_k(ratio=0.01)
     k = comp.k_for(d)
-    assert selection.fast_exact_pays(d, k)
+    assert exact_top_k.fast_exact_pays(d, k)
     xs = jax.random.normal(jax.random.key(1), (2, d))
 
     def indices(x):
@@ -124,7 +124,7 @@ def test_top_k_sends_increasing_indices_below_the_fast_path_too():
     """Where the fast path does not pay, top_k's payload is lax.top_k's indices, sorted,
     with their values: one wire order whatever the size."""
     d, comp = 1000, compjax.top_k(k=37)
-    assert not selection.fast_exact_pays(d, 37)
+    assert not exact_top_k.fast_exact_pays(d, 37)
     x = jax.random.normal(jax.random.key(2), (d,))
     payload = comp.compress(None, x)
     want = np.sort(jax.lax.top_k(jnp.abs(x), 37)[1])

@@ -1,6 +1,7 @@
 """Top-k selection: which entries of an array a sparse message carries.
 
-Used by :func:`compjax.top_k` (``select="exact"`` or ``"threshold"``) and by
+Used by :func:`compjax.top_k` (``select="threshold"``, and the fast path of
+``select="exact"``: :mod:`compjax.compressors.exact_top_k`) and by
 :func:`compjax.dgc` for each worker's accumulated velocity.
 
 The exact top-``k`` (``jax.lax.top_k``) and DGC's sampled threshold: the
@@ -10,7 +11,7 @@ taken where the count falls outside an accepted band.  Every selection has a
 static capacity (a fixed number of int32 slots, padded with ``d``), so the
 message has a fixed size.
 
-The fast path (:func:`_threshold_candidates`) takes the sample's threshold
+The fast path (:func:`threshold_candidates`) takes the sample's threshold
 with one pass over ``x`` that packs the mask of the entries reaching it into
 words (:mod:`compjax.compressors.masks`); where the threshold must be
 lowered it reduces ``x`` to block maxima (:mod:`compjax.compressors.blocks`)
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax.compressors import masks
-from compjax.compressors.blocks import Blocks, block_size, compact, kth_largest, prefix_sums
+from compjax.compressors.blocks import Blocks, block_size, kth_largest
 
 
 class Selection(NamedTuple):
@@ -54,22 +55,24 @@ class Selection(NamedTuple):
     fallback: jax.Array
 
 
-def _ceil(x: float) -> int:
+def ceil_exact(x: float) -> int:
+    """``ceil(x)`` of ``x`` rounded to 9 decimals: the count a product of decimals means."""
     return math.ceil(round(x, 9))  # 0.2 * 15 is 3.0000000000000004, not 4
 
 
-def _floor(x: float) -> int:
+def floor_exact(x: float) -> int:
+    """``floor(x)`` of ``x`` rounded to 9 decimals (see :func:`ceil_exact`)."""
     return math.floor(round(x, 9))
 
 
 def num_selected(d: int, ratio: float) -> int:
     """``k = ceil(ratio d)`` entries sent of ``d`` (at least 1, at most ``d``)."""
-    return min(d, max(1, _ceil(ratio * d)))
+    return min(d, max(1, ceil_exact(ratio * d)))
 
 
 def band_limits(k: int, d: int, band: tuple[float, float]) -> tuple[int, int]:
     """Accepted counts ``[ceil(lo k), floor(hi k)]``; the upper one is the payload capacity."""
-    return min(k, _ceil(band[0] * k)), min(d, max(k, _floor(band[1] * k)))
+    return min(k, ceil_exact(band[0] * k)), min(d, max(k, floor_exact(band[1] * k)))
 
 
 def check_band(band, name: str = "band") -> tuple[float, float]:
@@ -106,7 +109,7 @@ def sample_layout(d: int, k: int, sample_ratio: float) -> tuple[int, int]:
     the stride is made odd so that it does not alias with power-of-two row
     lengths (the public code uses ``32 j + 1`` strides for the same reason).
     """
-    target = min(d, max(_ceil(sample_ratio * d), _ceil(2 * d / k)))
+    target = min(d, max(ceil_exact(sample_ratio * d), ceil_exact(2 * d / k)))
     stride = max(1, d // target)
     if stride > 1 and stride % 2 == 0:
         stride -= 1
@@ -125,12 +128,12 @@ def exact_select(x: jax.Array, k: int, capacity: int | None = None) -> Selection
     return Selection(_padded(idx, capacity or k, mag.shape[0]), jnp.int32(k), jnp.bool_(True))
 
 
-def _samples(x, k, offset, sample_ratio):
+def sample_values(x, k, offset, sample_ratio):
     """``|x|`` at the strided sample positions, and the rank of the threshold among them."""
     d = x.shape[0]
     stride, num = sample_layout(d, k, sample_ratio)
     samples = jnp.abs(x[offset % stride + stride * jnp.arange(num)])
-    return samples, min(num, max(1, _ceil(num * k / d)))
+    return samples, min(num, max(1, ceil_exact(num * k / d)))
 
 
 def _adapt(count, threshold, low, max_adaptation_iters, factor):
@@ -179,7 +182,7 @@ def _reference_select(mag, samples, top, k, band, max_adaptation_iters):
     return jax.lax.cond(accept, by_threshold, by_top_k), n, accept
 
 
-def _threshold_candidates(
+def threshold_candidates(
     flat, samples, top, limits, factor, max_adaptation_iters, then, otherwise, with_nan
 ):
     """The entries reaching a sampled threshold: ``then`` of them, or ``otherwise()``.
@@ -244,10 +247,10 @@ def _threshold_candidates(
 
 
 def _blocked_select(flat, samples, top, k, band, max_adaptation_iters):
-    """:func:`_reference_select` by :func:`_threshold_candidates`: the same selection, at a
+    """:func:`_reference_select` by :func:`threshold_candidates`: the same selection, at a
     fraction of its cost."""
     limits = band_limits(k, flat.shape[0], band)
-    return _threshold_candidates(
+    return threshold_candidates(
         flat,
         samples,
         top,
@@ -298,113 +301,6 @@ def sampled_threshold_select(
       A :class:`Selection`.
     """
     flat = x.reshape(-1).astype(jnp.float32)
-    samples, top = _samples(flat, k, offset, sample_ratio)
+    samples, top = sample_values(flat, k, offset, sample_ratio)
     indices, n, accept = _blocked_select(flat, samples, top, k, band, max_adaptation_iters)
     return Selection(indices, jnp.where(accept, n, k).astype(jnp.int32), ~accept)
-
-
-# The exact top-k by candidates: the sample aims at EXACT_TARGET k entries, a count in
-# [k, EXACT_CAPACITY k] is accepted, and the threshold is lowered by EXACT_FACTOR while
-# fewer than k pass.  The sample's rank estimate has a relative spread of about
-# 1/sqrt(num_samples k / d) (4% at density 0.01 with a 1% sample), so the band is
-# several spreads wide on either side of the target; the sample is made large enough for
-# its rank to be EXACT_MIN_RANK at least (a relative spread of 9% at most).
-EXACT_TARGET = 1.15
-EXACT_CAPACITY = 1.5
-EXACT_FACTOR = 0.9
-EXACT_MIN_RANK = 128
-
-
-def fast_exact_pays(d: int, k: int) -> bool:
-    """Whether :func:`fast_exact_select` beats a plain ``jax.lax.top_k`` of ``d`` entries.
-
-    The candidates' top-k runs over ``EXACT_CAPACITY k`` slots, so the fast
-    path pays where those are a small part of ``d`` (at most 1/16) and ``d``
-    is large enough for a pass over it to dominate (``2**16`` entries).
-    """
-    return d >= 2**16 and 16 * _floor(EXACT_CAPACITY * k) <= d
-
-
-def top_k_indices(x: jax.Array, k: int, *, sample_ratio: float = 0.01) -> jax.Array:
-    """The flat indices of the ``k`` largest ``|x|``, in increasing order (int32).
-
-    The set of ``jax.lax.top_k(|x|, k)`` (equal magnitudes taken by
-    increasing index, as it does), sorted.  Where :func:`fast_exact_pays`,
-    from :func:`fast_exact_select`; else a ``jax.lax.top_k`` of all of
-    ``|x|``.
-    """
-    flat = x.reshape(-1).astype(jnp.float32)
-    if fast_exact_pays(flat.shape[0], k):
-        return fast_exact_select(flat, k, sample_ratio=sample_ratio).indices
-    return _sorted_top_k(flat, k)
-
-
-def _sorted_top_k(flat: jax.Array, k: int) -> jax.Array:
-    return jnp.sort(jax.lax.top_k(jnp.abs(flat), k)[1].astype(jnp.int32))
-
-
-def _top_of_candidates(candidates: jax.Array, values: jax.Array, k: int, d: int) -> jax.Array:
-    """The ``k`` largest ``|values|`` among ``candidates`` (flat indices in increasing order,
-    padded with ``d``, at least ``k`` real ones; ``values`` the entries there, 0 in the
-    padded slots), as flat indices in increasing order.
-
-    The ``k``-th largest candidate magnitude ``t`` (:func:`kth_largest`, a
-    radix selection on the bits), every candidate above it, and the first of those
-    equal to it (by index, as ``jax.lax.top_k`` breaks ties) up to ``k``:
-    compactions and counts over the candidates, where a top-k of them would
-    sort them.  The padded slots read 0 and come last, so they are never
-    taken before a real candidate.
-    """
-    mag = jnp.abs(values)
-    t = kth_largest(mag, k)
-    above, tied = mag > t, mag == t
-    room = k - jnp.sum(above, dtype=jnp.int32)
-    keep = above | (tied & (prefix_sums(tied, 1) < room))
-    return compact(keep, candidates, k, d)
-
-
-def fast_exact_select(x: jax.Array, k: int, *, sample_ratio: float = 0.01) -> Selection:
-    """The indices of :func:`exact_select`'s top-``k``, in increasing order, from a sampled
-    threshold.
-
-    The entries reaching a threshold are a superset of the top-``k`` when at
-    least ``k`` of them do: if ``count(|x| >= t) >= k`` then ``t`` is at most
-    the ``k``-th largest magnitude, so every entry at or above it passes.  So
-    the threshold of :func:`sampled_threshold_select` (aimed at
-    ``EXACT_TARGET k`` entries, from a sample of ``sample_ratio d`` entries
-    or enough for that rank to be ``EXACT_MIN_RANK`` in the sample, lowered
-    while fewer than ``k`` pass) selects between ``k`` and ``EXACT_CAPACITY
-    k`` candidates in index order, and the top-``k`` of the candidates
-    (:func:`_top_of_candidates`) is the top-``k`` of all of ``x``, equal
-    magnitudes taken by increasing index as ``jax.lax.top_k`` takes them.
-    Otherwise (a count outside the band, or a NaN in ``x``) it is
-    ``jax.lax.top_k`` of all of ``|x|``, sorted.  ``fallback`` says which
-    was taken; ``count`` is always ``k``.
-
-    On a CPU the candidates cost one pass over ``x`` (the mask words) and
-    passes over ``1.5 k`` candidates, where ``jax.lax.top_k`` of all ``d``
-    sorts them: 25.6M entries at density 0.01, 34 ms against 625 ms (one
-    process, 2-core CPU).  ``|x|`` is computed where it is read (in the
-    fallback, and on the gathered candidates), never as a full-size array.
-    """
-    flat = x.reshape(-1).astype(jnp.float32)
-    d = flat.shape[0]
-    if not 0 < k < d:
-        return Selection(_sorted_top_k(flat, k), jnp.int32(k), jnp.bool_(True))
-    target = min(d, _ceil(EXACT_TARGET * k))
-    limits = (k, min(d, _floor(EXACT_CAPACITY * k)))
-    ratio = min(1.0, max(sample_ratio, EXACT_MIN_RANK / target))
-    samples, top = _samples(flat, target, 0, ratio)
-    indices, _, accept = _threshold_candidates(
-        flat,
-        samples,
-        top,
-        limits,
-        EXACT_FACTOR,
-        10,
-        then=lambda candidates, values: _top_of_candidates(candidates, values, k, d),
-        otherwise=lambda: _sorted_top_k(flat, k),
-        with_nan=lambda has_nan: (_sorted_top_k(flat, k), jnp.where(has_nan, k, 0), ~has_nan),
-    )
-    fallback = ~accept
-    return Selection(indices, jnp.int32(k), fallback)
