@@ -15,7 +15,50 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-import compjax
+from compjax.compressor import Compressor
+from compjax.compressors.atomo import atomo, atomo_svd
+from compjax.compressors.chunked import chunked_top_k
+from compjax.compressors.combinators import blockwise, chain, scaled
+from compjax.compressors.dense import cast, identity
+from compjax.compressors.dithering import natural_dithering
+from compjax.compressors.eden import drive, eden
+from compjax.compressors.int_quant import int_quant
+from compjax.compressors.l2_sign import l2_scaled_sign
+from compjax.compressors.microscaling import mx
+from compjax.compressors.natural import natural
+from compjax.compressors.qsgd import qsgd
+from compjax.compressors.rand_k import rand_k
+from compjax.compressors.sign import scaled_sign, sign
+from compjax.compressors.sparse import top_k
+from compjax.compressors.terngrad import terngrad
+
+#: The names a spec may call: every compressor factory of ``compjax.__all__``.
+FACTORIES = {
+    f.__name__: f
+    for f in (
+        atomo,
+        atomo_svd,
+        blockwise,
+        cast,
+        chain,
+        chunked_top_k,
+        drive,
+        eden,
+        identity,
+        int_quant,
+        l2_scaled_sign,
+        mx,
+        natural,
+        natural_dithering,
+        qsgd,
+        rand_k,
+        scaled,
+        scaled_sign,
+        sign,
+        terngrad,
+        top_k,
+    )
+}
 
 # The compressors the README and the figures show, as the calls that build them.
 CATALOGUE_SPECS = (
@@ -79,13 +122,12 @@ README_SPECS = (
 )
 
 
-def build(spec: str) -> compjax.Compressor:
-    """The compressor a spec string names, built by evaluating it over compjax's names."""
-    namespace = {name: getattr(compjax, name) for name in compjax.__all__}
-    return eval(spec, namespace)
+def build(spec: str) -> Compressor:
+    """The compressor a spec string names, built by evaluating it over :data:`FACTORIES`."""
+    return eval(spec, dict(FACTORIES))
 
 
-def catalogue() -> dict[str, compjax.Compressor]:
+def catalogue() -> dict[str, Compressor]:
     """Spec string -> compressor, each built by evaluating its spec."""
     return {spec: build(spec) for spec in CATALOGUE_SPECS}
 
