@@ -252,6 +252,14 @@ def atomo(budget: float) -> Atomo:
     Args:
       budget: expected number of atoms sent, ``s > 0``.
 
+    Returns:
+      An :class:`Atomo` compressor whose payload holds ``"indices"`` (int32) and
+      ``"values"`` (float32 ``x_i / p_i``) in :func:`capacity` ``(s, d)`` slots;
+      it decodes to those values at those indices and 0 elsewhere.
+
+    Raises:
+      ValueError: ``budget`` is not a positive finite number.
+
     References:
       Wang et al., "ATOMO: Communication-efficient Learning via Atomic
       Sparsification", NeurIPS 2018.
@@ -284,6 +292,15 @@ def atomo_svd(budget: float) -> AtomoSVD:
 
     Args:
       budget: expected number of rank-1 atoms sent, ``s > 0``.
+
+    Returns:
+      An :class:`AtomoSVD` compressor whose payload holds, per slot, ``"left"``
+      and ``"right"`` (float32 singular vectors of the 2-D view) and
+      ``"scales"`` (float32 ``sigma_i / p_i``, 0 in unused slots); it decodes
+      to the sum of the kept rank-1 terms in the input's shape.
+
+    Raises:
+      ValueError: ``budget`` is not a positive finite number.
 
     References:
       Wang et al., "ATOMO: Communication-efficient Learning via Atomic

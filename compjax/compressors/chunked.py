@@ -209,6 +209,13 @@ def chunked_top_k(
       sigmas: the width of the quantiser's range in standard deviations of
         the kept values.
 
+    Returns:
+      A :class:`ChunkedTopK` compressor whose payload holds ``"indices"`` (each
+      chunk's ``k`` positions, packed into uint32 words) and either ``"codes"``
+      (the ``bits``-bit bin codes, packed) with ``"table"`` (the ``2**bits``
+      float32 bin means) or, with ``bits=None``, ``"values"`` (float32); it
+      decodes to the kept values at their positions and 0 elsewhere.
+
     Raises:
       ValueError: ``k`` or ``chunk`` not positive, ``k > chunk``, ``bits``
         not one of 1, 2, 4, None, or ``sigmas`` not positive.

@@ -29,11 +29,10 @@ def _worst(values, pick):
 
 
 @dataclasses.dataclass(frozen=True)
-class Blockwise(Compressor):
-    """``inner`` applied independently to consecutive blocks.  See :func:`blockwise`."""
+class Wrapper(Compressor):
+    """A compressor around one ``inner`` compressor, with its flags by default."""
 
     inner: Compressor = None
-    block_size: int = 1
 
     @property
     def unbiased(self):  # type: ignore[override]
@@ -50,6 +49,13 @@ class Blockwise(Compressor):
     @property
     def branches(self):  # type: ignore[override]
         return self.inner.branches
+
+
+@dataclasses.dataclass(frozen=True)
+class Blockwise(Wrapper):
+    """``inner`` applied independently to consecutive blocks.  See :func:`blockwise`."""
+
+    block_size: int = 1
 
     def _sizes(self, d: int) -> tuple[int, int]:
         full = d // self.block_size
@@ -186,27 +192,14 @@ class Chain(Compressor):
 
 
 @dataclasses.dataclass(frozen=True)
-class Scaled(Compressor):
+class Scaled(Wrapper):
     """``gamma * inner(x)``.  See :func:`scaled`."""
 
-    inner: Compressor = None
     gamma: float = 1.0
 
     @property
     def unbiased(self):  # type: ignore[override]
         return self.inner.unbiased and self.gamma == 1.0
-
-    @property
-    def linear(self):  # type: ignore[override]
-        return self.inner.linear
-
-    @property
-    def deterministic(self):  # type: ignore[override]
-        return self.inner.deterministic
-
-    @property
-    def branches(self):  # type: ignore[override]
-        return self.inner.branches
 
     def compress(self, key, x):
         return self.inner.compress(key, x)
@@ -252,6 +245,17 @@ def blockwise(comp: Compressor, block_size: int) -> Blockwise:
     Theory: unbiased iff ``comp`` is; ``omega`` is the largest of the blocks'
     and ``delta`` the smallest (errors add over disjoint blocks).
 
+    Args:
+      comp: the compressor applied to each block.
+      block_size: entries per block, ``>= 1``.
+
+    Returns:
+      A :class:`Blockwise` compressor whose payload holds ``"blocks"`` (``comp``'s
+      payload of one block, each array with a leading axis over the full
+      blocks; absent when ``d < block_size``) and ``"tail"`` (``comp``'s payload
+      of the last ``d % block_size`` entries; absent when there are none); it
+      decodes each block with ``comp`` and lays them end to end.
+
     Raises:
       ValueError: ``comp`` is not a compressor or ``block_size < 1``.
     """
@@ -278,6 +282,15 @@ def chain(sparsifier: Sparsifier, quantizer: Compressor) -> Chain:
     ``g`` the quantiser's ``decode_growth``; a concrete input beyond it warns
     (``UnbiasedRangeWarning``): the rescaled quantised values saturate.
 
+    Args:
+      sparsifier: ``top_k(...)`` or ``rand_k(...)``: which entries are sent.
+      quantizer: the compressor of the ``k`` kept values (as a 1-D array).
+
+    Returns:
+      A :class:`Chain` compressor whose payload is ``sparsifier``'s with its
+      ``"values"`` replaced by ``quantizer``'s payload of them; it decodes the
+      values with ``quantizer``, then places them as ``sparsifier`` does.
+
     Raises:
       ValueError: ``sparsifier`` is not ``top_k``/``rand_k`` or ``quantizer``
         is not a compressor.
@@ -295,6 +308,15 @@ def scaled(comp: Compressor, gamma: float) -> Scaled:
     ``E||gamma C(x) - x||^2 = (gamma^2 (1 + omega) - 2 gamma + 1) ||x||^2``, so
     ``delta = 2 gamma - gamma^2 (1 + omega)``; ``gamma = 1/(omega + 1)`` gives the
     largest, ``delta = 1/(omega + 1)``.
+
+    Args:
+      comp: the compressor whose decode is scaled.
+      gamma: the factor, a positive finite number.
+
+    Returns:
+      A :class:`Scaled` compressor whose payload is ``comp``'s (the same bits);
+      it decodes to ``gamma`` times ``comp``'s decode, computed in float32 and
+      cast back to the input's dtype.
 
     Raises:
       ValueError: ``comp`` is not a compressor or ``gamma`` is not positive.

@@ -114,6 +114,14 @@ def l2_scaled_sign() -> L2ScaledSign:
     onto ``sign(x)``) is the contractive choice; both work with error
     feedback on the dense momenta of 1-bit Adam.
 
+    Args:
+      none: the compressor has no parameters.
+
+    Returns:
+      An :class:`L2ScaledSign` compressor whose payload holds ``"scale"``
+      (float32 ``||x||_2 / sqrt(d)``) and ``"signs"`` (packed 32 to a uint32
+      word); it decodes to ``scale sign(x)``.
+
     References:
       Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training
       with Adam's Convergence Speed", ICML 2021.

@@ -161,6 +161,12 @@ def mx(element: str = "float4_e2m1fn", block: int = 32) -> Microscaled:
       element: ``"float4_e2m1fn"`` or ``"float8_e4m3fn"``.
       block: entries sharing one scale (32 in the specification).
 
+    Returns:
+      A :class:`Microscaled` compressor whose payload holds ``"scales"`` (one
+      uint8 exponent per block) and the scaled entries: ``"codes"`` (FP4 codes
+      packed eight to a uint32 word) or ``"values"`` (float8_e4m3fn); it
+      decodes to each entry times its block's ``2**e``.
+
     Examples:
       >>> import jax.numpy as jnp, compjax
       >>> c = compjax.mx("float4_e2m1fn", block=4)

@@ -120,6 +120,14 @@ def natural() -> Natural:
     every finite float16 input.  A concrete input beyond it warns
     (``UnbiasedRangeWarning``); inputs under ``jit`` are not checked.
 
+    Args:
+      none: the compressor has no parameters.
+
+    Returns:
+      A :class:`Natural` compressor whose payload holds ``"exponents"`` (the
+      8-bit exponent fields, 4 to a uint32 word) and ``"signs"`` (32 to a
+      word); it decodes to ``sign * 2**a`` with the chosen power ``a``.
+
     References:
       Horvath et al., "Natural Compression for Distributed Deep Learning",
       arXiv:1905.10988.

@@ -44,6 +44,13 @@ def qsgd_omega(d: int, levels: int) -> float:
       0.0463 against 0.0469 (``s = 4``), tested.
 
     Both are below Lemma 3.1's ``min(d/s^2, sqrt(d)/s)``.
+
+    Args:
+      d: the number of entries of the input (of a bucket, with buckets).
+      levels: the number of levels ``s`` of :func:`qsgd`.
+
+    Returns:
+      The bound ``omega`` (a float; 0 for ``d <= 0``), exact where attained.
     """
     if d <= 0:
         return 0.0
@@ -289,6 +296,11 @@ def qsgd(levels: int, bucket_size: int | None = None) -> QSGD:
     Args:
       levels: number of quantisation levels ``s >= 1``.
       bucket_size: entries per norm, ``>= 1``, or ``None`` for one norm.
+
+    Returns:
+      A :class:`QSGD` compressor whose payload holds ``"norms"`` (one float32
+      norm per bucket) and ``"codes"`` (the sign-magnitude codes packed into
+      uint32 words); it decodes to ``norm sgn(x_i) xi_i``.
 
     Raises:
       ValueError: ``levels`` or ``bucket_size`` out of range.

@@ -158,6 +158,13 @@ def sign() -> Sign:
     Theory: biased and not contractive (``omega`` and ``delta`` are ``None``):
     the output has norm ``sqrt(d)`` whatever the input's.
 
+    Args:
+      none: the compressor has no parameters.
+
+    Returns:
+      A :class:`Sign` compressor whose payload holds ``"signs"``, packed 32 to
+      a uint32 word; it decodes to ``+1`` and ``-1``.
+
     References:
       Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex
       Problems", ICML 2018.
@@ -173,6 +180,14 @@ def scaled_sign() -> ScaledSign:
     Theory: biased and contractive, ``||C(x) - x||^2 = ||x||^2 - ||x||_1^2 / d``
     exactly, so ``delta(x) = ||x||_1^2 / (d ||x||^2)`` and ``delta(d) = 1/d``
     (attained by 1-sparse ``x``).  A zero input gives zeros.
+
+    Args:
+      none: the compressor has no parameters.
+
+    Returns:
+      A :class:`ScaledSign` compressor whose payload holds ``"scale"`` (float32
+      ``||x||_1 / d``) and ``"signs"`` (packed 32 to a uint32 word); it decodes
+      to ``scale sign(x)``.
 
     References:
       Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient

@@ -80,6 +80,12 @@ def terngrad_omega(d: int) -> float:
     The variance is ``sum_k |x_k| (s - |x_k|)`` with ``s = ||x||_inf``, i.e.
     ``omega(x) = ||x||_inf ||x||_1 / ||x||_2^2 - 1``, maximal at
     ``x = (1, b, ..., b)`` with ``b = 1/(sqrt(d) + 1)``: ``(sqrt(d) - 1) / 2``.
+
+    Args:
+      d: the number of entries of the input.
+
+    Returns:
+      ``omega(d) = (sqrt(d) - 1) / 2`` (a float; 0 for ``d <= 0``).
     """
     return (math.sqrt(d) - 1.0) / 2.0 if d > 0 else 0.0
 
@@ -149,6 +155,11 @@ def terngrad(clip: float | None = None) -> TernGrad:
 
     Args:
       clip: clipping factor ``c > 0``, or ``None`` for no clipping.
+
+    Returns:
+      A :class:`TernGrad` compressor whose payload holds ``"scale"`` (float32
+      ``s``) and ``"codes"`` (the ternaries, 2 bits each, 16 to a uint32 word);
+      it decodes to ``s sign(x_k) b_k``.
 
     Raises:
       ValueError: ``clip`` is not positive.
