@@ -217,6 +217,26 @@ def test_zero_gradients_give_zero_updates_and_keep_delta_zero():
             np.testing.assert_array_equal(np.asarray(a), 0.0)
 
 
+def test_an_empty_leaf_sends_nothing_and_leaves_the_others_alone():
+    """A zero-size leaf passes through (its update and momentum empty, in their dtypes), and
+    the other leaf's updates and momentum are those of a run without it."""
+    n = 2
+    tx = compjax.scale_by_demo("data", chunk=CHUNK, topk=TOPK, decay=DECAY)
+    grads = [worker_grads(t, n, SMALL) for t in range(2)]
+    empty = jnp.zeros((n, 0, 3))
+    outs, states, _ = run_vmap(tx, [{**g, "z": empty} for g in grads], n, {**SMALL, "z": empty[0]})
+    alone, alone_states, _ = run_vmap(tx, grads, n, SMALL)
+    assert (outs[-1]["z"].shape, outs[-1]["z"].dtype) == ((n, 0, 3), jnp.float32)
+    delta = states[-1].delta["z"]  # per-worker: a leading axis of 1 in each worker's state
+    assert (delta.shape, delta.dtype) == ((n, 1, 0, 3), jnp.float32)
+    for got, want in zip(outs, alone, strict=True):
+        np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+    np.testing.assert_allclose(
+        np.asarray(states[-1].delta["w"]), np.asarray(alone_states[-1].delta["w"]), rtol=1e-6
+    )
+    assert np.abs(np.asarray(states[-1].delta["w"])).max() > 0.1  # something stayed unsent
+
+
 def test_non_finite_gradient_keeps_the_state():
     n = 2
     tx = compjax.scale_by_demo("data", chunk=CHUNK, topk=TOPK, decay=DECAY)

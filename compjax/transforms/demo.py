@@ -33,6 +33,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -43,16 +44,9 @@ import optax
 from compjax import collectives, dct
 from compjax.collectives import AxisName
 from compjax.payload import Payload
-from compjax.transforms.base import (
-    Leaves,
-    any_non_finite,
-    cast_like,
-    check_state_dtype,
-    counted,
-    guarded,
-    saturated,
-    state_zeros,
-)
+from compjax.transforms.base import saturated
+from compjax.transforms.padded_sparse import gather
+from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold
 
 
 class DeMoState(NamedTuple):
@@ -128,12 +122,6 @@ def _scatter(plan: _Plan, indices: jax.Array, values: jax.Array):
     return sums.reshape(shape), counts.reshape(shape)
 
 
-def _gather(payload: Payload, axis_name: AxisName) -> Payload:
-    if axis_name is None:
-        return jax.tree.map(lambda a: a[None], payload)
-    return collectives.all_gather(payload, axis_name)
-
-
 def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, n: int):
     """One leaf's step: ``(update, new delta)``."""
     delta = saturated(decay * delta + g.astype(delta.dtype), delta.dtype)
@@ -152,7 +140,7 @@ def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, 
     sent = dct.from_blocks(_scaled(dct.idct2, mine)).reshape(g.shape)
     delta = saturated(delta - sent, delta.dtype)
 
-    wire = _gather(payload, axis_name).wire
+    wire = gather(payload, axis_name).wire
     vals = wire["values"].astype(jnp.float32)
     # One power of two per chunk (over every worker's values) keeps the sums finite.
     e = _exponent(vals, (0, 2))[0]  # (chunks, 1)
@@ -165,6 +153,16 @@ def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, 
     else:
         out = saturated(dct.from_blocks(jnp.ldexp(dct.idct2(sums / n), e)), g.dtype)
     return out.reshape(g.shape).astype(g.dtype), delta
+
+
+def _step(leaf: Leaf, chunk: int, topk: int, decay: float, sign: bool, axis_name: AxisName):
+    """One worker's step on one leaf (a zero-size leaf sends nothing)."""
+    g, (delta,) = leaf.update, leaf.state
+    if g.size == 0:
+        return LeafStep(g, (delta,))
+    plan = _plan(g.shape, chunk, topk)
+    out, delta = _leaf(g, delta, plan, decay, sign, axis_name, collectives.num_workers(axis_name))
+    return LeafStep(out, (delta,))
 
 
 def _check(chunk, topk, decay) -> None:
@@ -260,31 +258,13 @@ def scale_by_demo(
       arXiv:2411.19870, 2024.
     """
     _check(chunk, topk, decay)
-    state_dtype = check_state_dtype(state_dtype)
-    sign = bool(sign)
-
-    def init_fn(params):
-        return DeMoState(delta=Leaves(params, False).worker_state(state_zeros(state_dtype)))
-
-    def update_fn(updates, state, params=None):
-        n = collectives.num_workers(axis_name)
-        leaves = Leaves(updates, False)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        deltas = leaves.read(state.delta, "delta", per_worker=True)
-        out, new = [], []
-        for g, delta in zip(leaves.arrays, deltas, strict=True):
-            if g.size == 0:  # nothing to send
-                out.append(g)
-                new.append(delta)
-                continue
-            u, d = _leaf(g, delta, _plan(g.shape, chunk, topk), decay, sign, axis_name, n)
-            out.append(u)
-            new.append(d)
-        new_state = DeMoState(delta=leaves.write(cast_like(new, deltas), per_worker=True))
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    sc = scaffold(DeMoState, axis_name, state_dtype=state_dtype)
+    return leafwise(
+        sc,
+        functools.partial(
+            _step, chunk=chunk, topk=topk, decay=decay, sign=bool(sign), axis_name=axis_name
+        ),
+    )
 
 
 def demo(
