@@ -466,6 +466,26 @@ def test_communication_counts_the_compressed_phase():
     assert gathered.payload_bits == 8 + signs(300) + 32 + signs(5) + 32
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: compjax.scale_by_onebit_adam("data", 10),
+        lambda: compjax.scale_by_zero_one_adam("data", 10),
+        lambda: compjax.zero_one_adam(0.1, "data", 10, local_step_clipper=4),
+    ],
+    ids=["onebit", "zero_one", "zero_one_local"],
+)
+def test_every_trace_reports_the_messages(make):
+    """The branches are traced afresh each time: a second report of the same transformation
+    is the first (a branch cached by lax.cond/lax.switch would log nothing)."""
+    params = {"w": jnp.zeros((100, 3)), "b": jnp.zeros(5)}
+    tx = make()
+    first = compjax.communication(tx, params, "data", 4)
+    second = compjax.communication(tx, params, "data", 4)
+    assert first.payload_bits > 8  # more than the non-finite flag
+    assert second.messages == first.messages
+
+
 def test_bad_arguments_are_refused():
     for kwargs in ({"freeze_step": 0}, {"freeze_step": 2.5}, {"b1": 1.0}, {"b2": -0.1}):
         args = {"axis_name": "data", "freeze_step": 5, **kwargs}

@@ -28,6 +28,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -36,27 +37,18 @@ import optax
 
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.compressors.l2_sign import l2_scaled_sign
-from compjax.exchange import Exchange, as_exchange
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    check_grouping,
-    counted,
-    guarded,
-    init_key,
-    step_keys,
-)
+from compjax.exchange import Exchange
+from compjax.transforms.base import check_grouping, counted
 from compjax.transforms.compressed_adam import (
+    Adam,
+    begin,
+    branches,
     check_hyperparams,
-    compensated_means,
-    dense_moments,
-    directions,
+    configure,
+    dense_branch,
+    finish,
     init_buffers,
-    momenta,
-    read_buffers,
-    write_buffers,
+    momentum_branch,
 )
 
 
@@ -177,48 +169,23 @@ def scale_by_onebit_adam(
     """
     check_hyperparams(b1, b2, eps, freeze_step=freeze_step)
     check_grouping(flatten, bucket_size)
-    comp = l2_scaled_sign() if comp is None else comp
-    as_exchange(exchange)
-    server = ServerMemory(comp, exchange)
+    adam = configure(axis_name, b1, b2, eps, comp, exchange, flatten, bucket_size)
+    return optax.GradientTransformation(
+        functools.partial(_init, adam, seed),
+        counted(functools.partial(_update, adam, freeze_step)),
+    )
 
-    def init_fn(params):
-        leaves = Leaves(params, flatten, bucket_size)
-        return OnebitAdamState(
-            count=jnp.zeros([], jnp.int32), key=init_key(seed), **init_buffers(leaves, server)
-        )
 
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        mus, nus, errors, old_memories = read_buffers(leaves, server, state)
-        key, keys = step_keys(state.key, len(leaves.arrays))
+def _init(adam: Adam, seed: int, params) -> OnebitAdamState:
+    return OnebitAdamState(count=jnp.zeros([], jnp.int32), **init_buffers(adam, seed, params))
 
-        # The branches are new closures at every trace: lax.cond caches a traced
-        # function, and a cached branch would not log its messages again.
-        def warmup(grads, keys, mus, nus, errors, memories):
-            return (*dense_moments(keys, grads, mus, nus, axis_name, b1, b2), errors, memories)
 
-        def compressed(grads, keys, mus, nus, errors, memories):
-            local = momenta(mus, grads, b1)
-            mus, errors, memories = compensated_means(
-                comp, keys, local, errors, memories, axis_name, exchange
-            )
-            return mus, nus, errors, memories
-
-        operands = (leaves.arrays, keys, mus, nus, errors, old_memories)
-        mus, nus, errors, memories = jax.lax.cond(
-            state.count < freeze_step, warmup, compressed, *operands
-        )
-        new_state = OnebitAdamState(
-            count=state.count + 1,
-            key=key,
-            **write_buffers(leaves, server, mus, nus, errors, memories, old_memories),
-        )
-        out = directions(mus, nus, leaves.arrays, eps)
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+def _update(adam: Adam, freeze_step: int, updates, state, params=None):
+    step = begin(adam, updates, state)
+    warmup, compressed = branches(adam, dense_branch, momentum_branch)
+    operands = (step.leaves.arrays, step.keys, step.mus, step.nus, step.errors, step.memories)
+    buffers = jax.lax.cond(state.count < freeze_step, warmup, compressed, *operands)
+    return finish(adam, step, state, OnebitAdamState, buffers, {"count": state.count + 1})
 
 
 def onebit_adam(

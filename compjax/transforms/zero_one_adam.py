@@ -65,40 +65,37 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, unrecorded
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.compressors.l2_sign import l2_scaled_sign
-from compjax.exchange import Exchange, as_exchange
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    check_grouping,
-    counted,
-    guarded,
-    init_key,
-    step_keys,
-)
+from compjax.exchange import Exchange
+from compjax.transforms.base import check_grouping, counted
 from compjax.transforms.compressed_adam import (
+    Adam,
+    begin,
+    branches,
     check_hyperparams,
-    compensated_means,
-    dense_moments,
-    directions,
+    configure,
+    dense_branch,
+    finish,
+    gradient_branch,
     init_buffers,
-    momenta,
-    read_buffers,
-    write_buffers,
+    momentum_branch,
 )
 from compjax.transforms.zero_one_adam_local import check_local_steps, local_zero_one_adam
 from compjax.transforms.zero_one_adam_schedule import (  # noqa: F401 (SCHEDULES re-exported)
     SCHEDULES,
+    VarianceSchedule,
     offset,
+    phase,
+    restarted,
+    variance_counters,
     variance_steps,
 )
 
@@ -191,71 +188,34 @@ def scale_by_zero_one_adam(
         b1, b2, eps, var_freeze_step=var_freeze_step, var_update_scaler=var_update_scaler
     )
     check_grouping(flatten, bucket_size)
-    shift = offset(schedule)
-    comp = l2_scaled_sign() if comp is None else comp
-    as_exchange(exchange)
-    server = ServerMemory(comp, exchange)
+    variance = VarianceSchedule(var_freeze_step, var_update_scaler, offset(schedule))
+    adam = configure(axis_name, b1, b2, eps, comp, exchange, flatten, bucket_size)
+    return optax.GradientTransformation(
+        functools.partial(_init, adam, seed),
+        counted(functools.partial(_update, adam, variance)),
+    )
 
-    def init_fn(params):
-        leaves = Leaves(params, flatten, bucket_size)
-        return ZeroOneAdamState(
-            count=jnp.zeros([], jnp.int32),
-            var_interval=jnp.ones([], jnp.int32),
-            var_counter=jnp.zeros([], jnp.int32),
-            key=init_key(seed),
-            **init_buffers(leaves, server),
-        )
 
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        mus, nus, errors, old_memories = read_buffers(leaves, server, state)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        step = state.count + 1
-        phase = state.count + shift  # DeepSpeed's count is one ahead (see `schedule`)
-        adaptive = phase <= var_freeze_step
-        variance_step = adaptive & ((phase + 1) % state.var_interval == 0)
-        # The first frozen step starts the buffers afresh: they held gradients' errors.
-        restart = phase == var_freeze_step + 1
-        errors = [jnp.where(restart, 0.0, e) for e in errors]
-        memories = [None if s is None else jnp.where(restart, 0.0, s) for s in old_memories]
+def _init(adam: Adam, seed: int, params) -> ZeroOneAdamState:
+    return ZeroOneAdamState(
+        count=jnp.zeros([], jnp.int32),
+        var_interval=jnp.ones([], jnp.int32),
+        var_counter=jnp.zeros([], jnp.int32),
+        **init_buffers(adam, seed, params),
+    )
 
-        # New closures at every trace: lax.switch caches traced branches (see 1-bit Adam).
-        def dense_step(grads, keys, mus, nus, errors, memories):
-            return (*dense_moments(keys, grads, mus, nus, axis_name, b1, b2), errors, memories)
 
-        def gradient_step(grads, keys, mus, nus, errors, memories):
-            with unrecorded():  # the same messages as a momentum step, reported once
-                g_hats, errors, memories = compensated_means(
-                    comp, keys, grads, errors, memories, axis_name, exchange
-                )
-            return momenta(mus, g_hats, b1), nus, errors, memories
-
-        def momentum_step(grads, keys, mus, nus, errors, memories):
-            mus, errors, memories = compensated_means(
-                comp, keys, momenta(mus, grads, b1), errors, memories, axis_name, exchange
-            )
-            return mus, nus, errors, memories
-
-        branch = jnp.where(variance_step, 0, jnp.where(adaptive, 1, 2))
-        operands = (leaves.arrays, keys, mus, nus, errors, memories)
-        mus, nus, errors, memories = jax.lax.switch(
-            branch, (dense_step, gradient_step, momentum_step), *operands
-        )
-        counter = state.var_counter + variance_step.astype(jnp.int32)
-        doubled = counter == var_update_scaler
-        new_state = ZeroOneAdamState(
-            count=step,
-            var_interval=jnp.where(doubled, 2 * state.var_interval, state.var_interval),
-            var_counter=jnp.where(doubled, 0, counter),
-            key=key,
-            **write_buffers(leaves, server, mus, nus, errors, memories, old_memories),
-        )
-        out = directions(mus, nus, leaves.arrays, eps)
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+def _update(adam: Adam, variance: VarianceSchedule, updates, state, params=None):
+    step = begin(adam, updates, state)
+    count = state.count + 1
+    now = phase(variance, state)
+    errors, memories = restarted(now.restart, step.errors, step.memories)
+    steps = branches(adam, dense_branch, gradient_branch, momentum_branch)
+    branch = jnp.where(now.variance_step, 0, jnp.where(now.adaptive, 1, 2))
+    operands = (step.leaves.arrays, step.keys, step.mus, step.nus, errors, memories)
+    buffers = jax.lax.switch(branch, steps, *operands)
+    counters = {"count": count, **variance_counters(variance, state, now.variance_step)}
+    return finish(adam, step, state, ZeroOneAdamState, buffers, counters)
 
 
 def zero_one_adam(
@@ -294,6 +254,13 @@ def zero_one_adam(
         paper's ``H`` (DeepSpeed's default is 16; compjax's 1 synchronises
         every step).
 
+    Returns:
+      An ``optax.GradientTransformation``: at ``local_step_clipper = 1``
+      ``optax.chain(scale_by_zero_one_adam(...), optax.scale_by_learning_rate(lr))``
+      with replicated params; above it the local rounds' transformation, with
+      :class:`compjax.transforms.zero_one_adam_local.ZeroOneAdamLocalState`,
+      whose ``update`` needs this worker's ``params``.
+
     Raises:
       ValueError: as :func:`scale_by_zero_one_adam`, or ``local_step_scaler``
         or ``local_step_clipper`` not an integer >= 1.
@@ -303,22 +270,15 @@ def zero_one_adam(
       Training via 0/1 Adam", ICLR 2023.
     """
     check_local_steps(local_step_scaler, local_step_clipper)
+    args = (axis_name, var_freeze_step, var_update_scaler, b1, b2, eps)
     if local_step_clipper > 1:
         return local_zero_one_adam(
             learning_rate,
-            axis_name,
-            var_freeze_step,
-            var_update_scaler,
-            b1,
-            b2,
-            eps,
+            *args,
             local_step_scaler=local_step_scaler,
             local_step_clipper=local_step_clipper,
             **kwargs,
         )
     return optax.chain(
-        scale_by_zero_one_adam(
-            axis_name, var_freeze_step, var_update_scaler, b1, b2, eps, **kwargs
-        ),
-        optax.scale_by_learning_rate(learning_rate),
+        scale_by_zero_one_adam(*args, **kwargs), optax.scale_by_learning_rate(learning_rate)
     )

@@ -22,7 +22,10 @@ References:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import jax
+import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from compjax.accounting import CommunicationReport
@@ -45,6 +48,58 @@ def offset(schedule: str) -> int:
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     return 1 if schedule == "deepspeed" else 0
+
+
+class VarianceSchedule(NamedTuple):
+    """``T_v`` as the construction fixes it: the last adaptive step, the variance steps per
+    interval, and the schedule's :func:`offset`."""
+
+    var_freeze_step: int
+    var_update_scaler: int
+    shift: int
+
+
+class Phase(NamedTuple):
+    """Where a step stands in ``T_v`` (traced, from the state's counters).
+
+    Attributes:
+      count: the schedule's count before the step (the state's ``count`` plus the offset).
+      adaptive: the variance may still be updated.
+      variance_step: the step updates the variance.
+      restart: the first frozen step (the error buffers start afresh).
+    """
+
+    count: jax.Array
+    adaptive: jax.Array
+    variance_step: jax.Array
+    restart: jax.Array
+
+
+def phase(schedule: VarianceSchedule, state) -> Phase:
+    """The :class:`Phase` of the step that ``state`` (with ``count`` and ``var_interval``) takes."""
+    count = state.count + schedule.shift  # DeepSpeed's count is one ahead (see `offset`)
+    adaptive = count <= schedule.var_freeze_step
+    variance_step = adaptive & ((count + 1) % state.var_interval == 0)
+    return Phase(count, adaptive, variance_step, count == schedule.var_freeze_step + 1)
+
+
+def restarted(restart: jax.Array, errors: list, memories: list) -> tuple[list, list]:
+    """The error buffers and server memories, zero on the first frozen step: they held the
+    gradients' errors, and the frozen phase compresses momenta."""
+    errors = [jnp.where(restart, 0.0, e) for e in errors]
+    memories = [None if s is None else jnp.where(restart, 0.0, s) for s in memories]
+    return errors, memories
+
+
+def variance_counters(schedule: VarianceSchedule, state, variance_step: jax.Array) -> dict:
+    """The state's ``var_interval`` and ``var_counter`` after the step: the interval doubles
+    after ``var_update_scaler`` variance steps."""
+    counter = state.var_counter + variance_step.astype(jnp.int32)
+    doubled = counter == schedule.var_update_scaler
+    return {
+        "var_interval": jnp.where(doubled, 2 * state.var_interval, state.var_interval),
+        "var_counter": jnp.where(doubled, 0, counter),
+    }
 
 
 def variance_steps(
