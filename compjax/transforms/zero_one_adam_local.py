@@ -68,37 +68,52 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, unrecorded, worker_params
+from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.compressors.l2_sign import l2_scaled_sign
-from compjax.exchange import Exchange, as_exchange
+from compjax.exchange import Exchange
 from compjax.transforms.base import (
     Leaves,
-    ServerMemory,
     all_finite,
     any_non_finite,
     cast_like,
     check_grouping,
     counted,
     guarded,
-    init_key,
     state_zeros,
     step_keys,
 )
 from compjax.transforms.compressed_adam import (
+    Adam,
+    branches,
     check_hyperparams,
-    compensated_means,
-    dense_moments,
-    momenta,
+    configure,
+    float32_zeros,
+    init_buffers,
+    read_buffers,
+    write_buffers,
 )
 from compjax.transforms.per_worker_params import check_params_dtype
-from compjax.transforms.zero_one_adam_schedule import offset
+from compjax.transforms.zero_one_adam_rounds import (
+    Round,
+    dense_round,
+    gradient_round,
+    local_round,
+    sync_round,
+)
+from compjax.transforms.zero_one_adam_schedule import (
+    VarianceSchedule,
+    offset,
+    phase,
+    restarted,
+    variance_counters,
+)
 
 
 class ZeroOneAdamLocalState(NamedTuple):
@@ -237,163 +252,121 @@ def local_zero_one_adam(
     check_local_steps(local_step_scaler, local_step_clipper)
     _check_learning_rate(learning_rate)
     check_grouping(flatten, bucket_size)
-    shift = offset(schedule)
-    comp = l2_scaled_sign() if comp is None else comp
-    as_exchange(exchange)
-    server = ServerMemory(comp, exchange)
+    variance = VarianceSchedule(var_freeze_step, var_update_scaler, offset(schedule))
+    adam = configure(axis_name, b1, b2, eps, comp, exchange, flatten, bucket_size)
+    rounds = _Rounds(learning_rate, local_step_scaler, local_step_clipper)
+    return optax.GradientTransformation(
+        functools.partial(_init, adam, seed),
+        counted(functools.partial(_update, adam, variance, rounds)),
+    )
+
+
+class _Rounds(NamedTuple):
+    """``T_u`` and the learning rate, as the construction fixes them."""
+
+    learning_rate: optax.ScalarOrSchedule
+    local_step_scaler: int
+    local_step_clipper: int
+
+
+def _init(adam: Adam, seed: int, params) -> ZeroOneAdamLocalState:
+    check_params_dtype(params, "zero_one_adam with local_step_clipper > 1")
+    leaves = Leaves(params, adam.flatten, adam.bucket_size)
+    one, zero = jnp.ones([], jnp.int32), jnp.zeros([], jnp.int32)
     fill = state_zeros(None)
+    return ZeroOneAdamLocalState(
+        count=zero,
+        var_interval=one,
+        var_counter=zero,
+        local_interval=one,
+        local_counter=zero,
+        lr_sum=jnp.zeros([], jnp.float32),
+        global_params=jax.tree.map(lambda p: jnp.asarray(p).astype(fill(p).dtype), params),
+        local_mu=leaves.worker_state(float32_zeros),
+        accumulator=leaves.worker_state(float32_zeros),
+        **init_buffers(adam, seed, params),
+    )
 
-    def zeros(a):
-        return jnp.zeros(a.shape, jnp.float32)
 
-    def init_fn(params):
-        check_params_dtype(params, "zero_one_adam with local_step_clipper > 1")
-        leaves = Leaves(params, flatten, bucket_size)
-        one, zero = jnp.ones([], jnp.int32), jnp.zeros([], jnp.int32)
-        return ZeroOneAdamLocalState(
-            count=zero,
-            var_interval=one,
-            var_counter=zero,
-            local_interval=one,
-            local_counter=zero,
-            lr_sum=jnp.zeros([], jnp.float32),
-            global_params=jax.tree.map(lambda p: jnp.asarray(p).astype(fill(p).dtype), params),
-            mu=leaves.shared_state(zeros),
-            local_mu=leaves.worker_state(zeros),
-            nu=leaves.shared_state(zeros),
-            accumulator=leaves.worker_state(zeros),
-            error=leaves.worker_state(zeros),
-            server_error=server.init(leaves),
-            key=init_key(seed),
-        )
+def _rate(learning_rate: optax.ScalarOrSchedule, count: jax.Array) -> jax.Array:
+    lr = learning_rate(count) if callable(learning_rate) else learning_rate
+    return jnp.asarray(lr, jnp.float32)
 
-    def rate(count):
-        lr = learning_rate(count) if callable(learning_rate) else learning_rate
-        return jnp.asarray(lr, jnp.float32)
 
-    def update_fn(updates, state, params=None):
-        if params is None:
+def _check_shapes(thetas, grads) -> None:
+    for t, g in zip(thetas, grads, strict=True):
+        if t.shape != g.shape:
             raise ValueError(
-                "zero_one_adam with local_step_clipper > 1: update(grads, state, params) "
-                "needs params, this worker's own params"
+                f"state field 'global_params' has a leaf of shape {t.shape} where the "
+                f"updates need {g.shape}: was the state initialised for other params?"
             )
-        leaves = Leaves(updates, flatten, bucket_size)
-        own = Leaves(params, flatten, bucket_size)
-        shared = Leaves(state.global_params, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        for t, g in zip(shared.arrays, leaves.arrays, strict=True):
-            if t.shape != g.shape:
-                raise ValueError(
-                    f"state field 'global_params' has a leaf of shape {t.shape} where the "
-                    f"updates need {g.shape}: was the state initialised for other params?"
-                )
-        mus = leaves.read(state.mu, "mu", per_worker=False)
-        local_mus = leaves.read(state.local_mu, "local_mu", per_worker=True)
-        nus = leaves.read(state.nu, "nu", per_worker=False)
-        accs = leaves.read(state.accumulator, "accumulator", per_worker=True)
-        errors = leaves.read(state.error, "error", per_worker=True)
-        old_memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        lr = rate(state.count)
-        phase = state.count + shift  # DeepSpeed's count is one ahead (see `schedule`)
-        adaptive = phase <= var_freeze_step
-        variance_step = adaptive & ((phase + 1) % state.var_interval == 0)
-        sync = ~adaptive & ((phase + 1) % state.local_interval == 0)
-        # The first frozen step starts the buffers afresh: they held gradients' errors.
-        restart = phase == var_freeze_step + 1
-        errors = [jnp.where(restart, 0.0, e) for e in errors]
-        memories = [None if s is None else jnp.where(restart, 0.0, s) for s in old_memories]
-        lr_sum = state.lr_sum + jnp.where(adaptive, 0.0, lr)
-        thetas = shared.arrays
-        ds = [jnp.sqrt(v) + eps for v in nus]
-        here = own.arrays
 
-        def moved(thetas, mus, ds):
-            """Every worker at ``theta - lr m / d`` (while the variance adapts)."""
-            steps = [(-lr) * (m / d) for m, d in zip(mus, ds, strict=True)]
-            new = [t + s.astype(t.dtype) for t, s in zip(thetas, steps, strict=True)]
-            return new, [n - p.astype(n.dtype) for n, p in zip(new, here, strict=True)]
 
-        def own_copies(mus):
-            """Each worker's momentum starts the round from the shared one (typed per worker
-            under shard_map, as the branches' outputs must agree)."""
-            return worker_params(mus, axis_name)
+def _returned(out, own: Leaves, updates, params):
+    """The updates in the wider of each gradient's and param's dtypes: a synchronisation's
+    update to float32 params is not rounded to a bfloat16 gradient's precision."""
+    return jax.tree.map(
+        lambda o, g, p: o.astype(jnp.promote_types(g.dtype, p.dtype)),
+        own.rebuild(out),
+        updates,
+        params,
+    )
 
-        # New closures at every trace: lax.switch caches traced branches (see 1-bit Adam).
-        def dense_step(grads, keys, mus, local_mus, nus, accs, errors, memories, thetas):
-            mus, nus = dense_moments(keys, grads, mus, nus, axis_name, b1, b2)
-            new, out = moved(thetas, mus, [jnp.sqrt(v) + eps for v in nus])
-            return mus, own_copies(mus), nus, accs, errors, memories, new, out
 
-        def gradient_step(grads, keys, mus, local_mus, nus, accs, errors, memories, thetas):
-            with unrecorded():  # the same messages as a synchronisation, reported once
-                g_hats, errors, memories = compensated_means(
-                    comp, keys, grads, errors, memories, axis_name, exchange
-                )
-            mus = momenta(mus, g_hats, b1)
-            new, out = moved(thetas, mus, ds)
-            return mus, own_copies(mus), nus, accs, errors, memories, new, out
+def _local_counters(rounds: _Rounds, state, adaptive: jax.Array) -> dict:
+    """The state's ``local_interval`` and ``local_counter`` after the step: the interval
+    doubles after ``local_step_scaler`` frozen steps, up to ``local_step_clipper``."""
+    frozen_steps = state.local_counter + (~adaptive).astype(jnp.int32)
+    widened = frozen_steps == rounds.local_step_scaler
+    longer = jnp.minimum(rounds.local_step_clipper, 2 * state.local_interval)
+    return {
+        "local_interval": jnp.where(widened, longer, state.local_interval),
+        "local_counter": jnp.where(widened, 0, frozen_steps),
+    }
 
-        def local_step(grads, keys, mus, local_mus, nus, accs, errors, memories, thetas):
-            local_mus = momenta(local_mus, grads, b1)
-            accs = [a + lr * m for a, m in zip(accs, local_mus, strict=True)]
-            out = [(-lr) * (m / d) for m, d in zip(local_mus, ds, strict=True)]
-            return mus, local_mus, nus, accs, errors, memories, thetas, out
 
-        def sync_step(grads, keys, mus, local_mus, nus, accs, errors, memories, thetas):
-            local_mus = momenta(local_mus, grads, b1)
-            accs = [a + lr * m for a, m in zip(accs, local_mus, strict=True)]
-            sums, errors, memories = compensated_means(
-                comp, keys, accs, errors, memories, axis_name, exchange
-            )
-            positive = lr_sum > 0
-            mus = [jnp.where(positive, s / jnp.where(positive, lr_sum, 1.0), 0.0) for s in sums]
-            new = [t - (s / d).astype(t.dtype) for t, s, d in zip(thetas, sums, ds, strict=True)]
-            out = [n - p.astype(n.dtype) for n, p in zip(new, here, strict=True)]
-            accs = [jnp.zeros_like(a) for a in accs]
-            return mus, own_copies(mus), nus, accs, errors, memories, new, out
-
-        branch = jnp.where(variance_step, 0, jnp.where(adaptive, 1, jnp.where(sync, 3, 2)))
-        operands = (leaves.arrays, keys, mus, local_mus, nus, accs, errors, memories, thetas)
-        mus, local_mus, nus, accs, errors, memories, new_thetas, out = jax.lax.switch(
-            branch, (dense_step, gradient_step, local_step, sync_step), *operands
+def _update(adam: Adam, variance: VarianceSchedule, rounds: _Rounds, updates, state, params=None):
+    if params is None:
+        raise ValueError(
+            "zero_one_adam with local_step_clipper > 1: update(grads, state, params) "
+            "needs params, this worker's own params"
         )
-        counter = state.var_counter + variance_step.astype(jnp.int32)
-        doubled = counter == var_update_scaler
-        frozen_steps = state.local_counter + (~adaptive).astype(jnp.int32)
-        widened = frozen_steps == local_step_scaler
-        longer = jnp.minimum(local_step_clipper, 2 * state.local_interval)
-        new_state = ZeroOneAdamLocalState(
-            count=state.count + 1,
-            var_interval=jnp.where(doubled, 2 * state.var_interval, state.var_interval),
-            var_counter=jnp.where(doubled, 0, counter),
-            local_interval=jnp.where(widened, longer, state.local_interval),
-            local_counter=jnp.where(widened, 0, frozen_steps),
-            lr_sum=jnp.where(sync, 0.0, lr_sum),
-            global_params=shared.rebuild(cast_like(new_thetas, thetas)),
-            mu=leaves.write(mus, per_worker=False),
-            local_mu=leaves.write(local_mus, per_worker=True),
-            nu=leaves.write(nus, per_worker=False),
-            accumulator=leaves.write(accs, per_worker=True),
-            error=leaves.write(errors, per_worker=True),
-            server_error=server.write(leaves, memories, old_memories),
-            key=key,
-        )
-
-        def returned(out):
-            # In the wider of each gradient's and param's dtypes: a synchronisation's update to
-            # float32 params is not rounded to a bfloat16 gradient's precision.
-            return jax.tree.map(
-                lambda o, g, p: o.astype(jnp.promote_types(g.dtype, p.dtype)),
-                own.rebuild(out),
-                updates,
-                params,
-            )
-
-        # Finite as returned: a float32 step beyond a float16 param's range (lr m / eps where
-        # the variance froze at 0) refuses the step, as a non-finite float32 one does.
-        finite = all_finite(jax.tree.leaves(returned(out)))
-        out, new_state = guarded(bad, out, new_state, state, finite=[finite] * len(out))
-        return returned(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    leaves = Leaves(updates, adam.flatten, adam.bucket_size)
+    own = Leaves(params, adam.flatten, adam.bucket_size)
+    shared = Leaves(state.global_params, adam.flatten, adam.bucket_size)
+    bad = any_non_finite(leaves.arrays, adam.axis_name)
+    _check_shapes(shared.arrays, leaves.arrays)
+    mus, nus, errors, old_memories = read_buffers(leaves, adam.server, state)
+    local_mus = leaves.read(state.local_mu, "local_mu", per_worker=True)
+    accs = leaves.read(state.accumulator, "accumulator", per_worker=True)
+    key, keys = step_keys(state.key, len(leaves.arrays))
+    lr = _rate(rounds.learning_rate, state.count)
+    now = phase(variance, state)
+    sync = ~now.adaptive & ((now.count + 1) % state.local_interval == 0)
+    errors, memories = restarted(now.restart, errors, old_memories)
+    lr_sum = state.lr_sum + jnp.where(now.adaptive, 0.0, lr)
+    thetas = shared.arrays
+    ds = [jnp.sqrt(v) + adam.eps for v in nus]
+    shared_by_all = Round(adam, lr, lr_sum, ds, own.arrays)
+    kinds = branches(shared_by_all, dense_round, gradient_round, local_round, sync_round)
+    branch = jnp.where(now.variance_step, 0, jnp.where(now.adaptive, 1, jnp.where(sync, 3, 2)))
+    operands = (leaves.arrays, keys, mus, local_mus, nus, accs, errors, memories, thetas)
+    mus, local_mus, nus, accs, errors, memories, new_thetas, out = jax.lax.switch(
+        branch, kinds, *operands
+    )
+    new_state = ZeroOneAdamLocalState(
+        count=state.count + 1,
+        **variance_counters(variance, state, now.variance_step),
+        **_local_counters(rounds, state, now.adaptive),
+        lr_sum=jnp.where(sync, 0.0, lr_sum),
+        global_params=shared.rebuild(cast_like(new_thetas, thetas)),
+        local_mu=leaves.write(local_mus, per_worker=True),
+        accumulator=leaves.write(accs, per_worker=True),
+        key=key,
+        **write_buffers(leaves, adam.server, mus, nus, errors, memories, old_memories),
+    )
+    # Finite as returned: a float32 step beyond a float16 param's range (lr m / eps where
+    # the variance froze at 0) refuses the step, as a non-finite float32 one does.
+    finite = all_finite(jax.tree.leaves(_returned(out, own, updates, params)))
+    out, new_state = guarded(bad, out, new_state, state, finite=[finite] * len(out))
+    return _returned(out, own, updates, params), new_state
