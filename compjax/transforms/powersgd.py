@@ -6,13 +6,16 @@ References:
   PyTorch's DDP communication hook ``powerSGD_hook``, whose conventions
   (error memory ``M_i - P Q^T``, warm start, Gram-Schmidt, minimum
   compression rate, start iteration) this follows.
+
+Which leaves are compressed, and as which matrices, is decided here
+(:func:`matrix_view`, :func:`compressible`); the step's messages, the low-rank
+update and the error memory are :mod:`compjax.transforms.powersgd_step`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import operator
 import warnings
 from typing import Any, NamedTuple
 
@@ -20,16 +23,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import (
-    AxisName,
-    num_workers,
-    pmax,
-    psum,
-    psum_together,
-    record,
-    unrecorded,
-)
-from compjax.numerics import exponent, ldexp, mean_of_sum, to_dtype, unit_scale
+from compjax.collectives import AxisName, num_workers
 from compjax.transforms.base import (
     Leaves,
     all_finite,
@@ -38,8 +32,13 @@ from compjax.transforms.base import (
     counted,
     guarded,
     init_key,
-    saturated,
     state_zeros,
+)
+from compjax.transforms.powersgd_step import (
+    Options,
+    compressed_step,
+    orthogonalize,
+    warmup_step,
 )
 
 
@@ -124,54 +123,70 @@ def warn_if_layout_swapped(
         )
 
 
-#: float32's largest finite value (PowerSGD's memory and update saturate there).
-_TOP = float(jnp.finfo(jnp.float32).max)
+class _Layout(NamedTuple):
+    """Which leaves :func:`powersgd` compresses, and at which rank."""
+
+    rank: int
+    min_compression_rate: float
+    channels_last: bool
+
+    def rank_of(self, shape) -> int:
+        """The rank used for a leaf of ``shape``, 0 if it is sent uncompressed."""
+        if not compressible(shape, self.rank, self.min_compression_rate, self.channels_last):
+            return 0
+        return min(self.rank, *matrix_view(shape, self.channels_last))
 
 
-def outer_sum(p: jax.Array, q: jax.Array, shape=None) -> jax.Array:
-    """``p @ q.T`` for ``(rows, r)`` and ``(cols, r)`` factors of a small rank ``r``,
-    reshaped to ``shape`` (its leading axes the rows, the rest the columns).
-
-    Written as ``r`` broadcast products, an elementwise expression that XLA
-    fuses into each loop that reads the product (the update, the new error
-    memory), so the ``rows x cols`` matrix is never written and read back: on
-    ResNet-50's matrices the product as a ``dot`` cost a write and two reads
-    of every entry.  Built in the tensor's own shape, so that no layout change
-    follows (XLA's CPU backend copied each 1x1 kernel's matrix into its 4-D
-    layout).  The terms are added in order ``k = 0 .. r - 1``.
-    """
-    shape = (p.shape[0], q.shape[0]) if shape is None else tuple(shape)
-    split = next(i for i in range(len(shape) + 1) if math.prod(shape[:i]) == p.shape[0])
-    rows, cols = shape[:split], shape[split:]
-    terms = [
-        p[:, k].reshape(rows + (1,) * len(cols)) * q[:, k].reshape(cols) for k in range(p.shape[1])
-    ]
-    return functools.reduce(operator.add, terms)
+def _initial_q(key, shape, layout: _Layout, epsilon: float):
+    """The shared, orthonormalised Gaussian ``Q`` of a leaf (``None``: sent uncompressed)."""
+    r = layout.rank_of(shape)
+    if not r:
+        return None
+    cols = matrix_view(shape, layout.channels_last)[1]
+    return orthogonalize(jax.random.normal(key, (cols, r)), epsilon)
 
 
-def _unit(col: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(e, col 2**-e)`` with ``2**e <= max|col| < 2**(e+1)``: an exact scaling."""
-    e, _ = unit_scale(jnp.max(jnp.abs(col), initial=0.0))
-    return e, ldexp(col, -e)
+def _init(params, *, layout: _Layout, epsilon: float, seed: int, state_dtype) -> PowerSGDState:
+    """:func:`powersgd`'s state at step 0 (warning about kernels sent dense in this layout)."""
+    leaves = Leaves(params, flatten=False)
+    for a in leaves.arrays:
+        warn_if_layout_swapped(a.shape, *layout)
+    keys = jax.random.split(init_key(seed), max(len(leaves.arrays), 1))
+    q = tuple(
+        _initial_q(k, a.shape, layout, epsilon) for k, a in zip(keys, leaves.arrays, strict=False)
+    )
+    error = leaves.worker_state(state_zeros(state_dtype))
+    return PowerSGDState(count=jnp.zeros([], jnp.int32), error=error, q=q)
 
 
-def orthogonalize(m: jax.Array, epsilon: float = 0.0) -> jax.Array:
-    """Gram-Schmidt on the columns of ``m`` (as PyTorch's hook); a zero column stays zero.
-
-    Each column is scaled by a power of two (exact, :mod:`compjax.numerics`)
-    before its projections and again before its norm, with ``epsilon``
-    scaled alike: the same result, but the norm of entries beyond ``1.8e19``
-    no longer overflows (which made the column, and the update, zero).
-    """
-    cols = []
-    for i in range(m.shape[1]):
-        _, col = _unit(m[:, i])
-        for prev in cols:
-            col = col - jnp.dot(prev, col) * prev
-        e, col = _unit(col)
-        norm = jnp.linalg.norm(col) + ldexp(jnp.float32(epsilon), -e)
-        cols.append(jnp.where(norm > 0, col / jnp.where(norm > 0, norm, 1.0), 0.0))
-    return jnp.stack(cols, axis=1) if cols else m
+def _update(updates, state: PowerSGDState, params=None, *, opts: Options, start_iter: int):
+    """:func:`powersgd`'s step: dense means before ``start_iter``, low-rank ones after."""
+    leaves = Leaves(updates, flatten=False)
+    bad = any_non_finite(leaves.arrays, opts.axis_name)
+    errors = leaves.read(state.error, "error", per_worker=True)
+    n = num_workers(opts.axis_name)
+    args = (leaves.arrays, errors, state.q, n, opts)
+    known = None
+    if start_iter:
+        out, new_errors, new_q = jax.lax.cond(
+            state.count < start_iter,
+            lambda a: warmup_step(*a, n, opts),
+            lambda a: compressed_step(*a, n, opts),
+            args[:3],
+        )
+    else:
+        out, new_errors, new_q = compressed_step(*args)
+        # Finite input gives finite low-rank updates (saturated, from factors kept finite)
+        known = [None if q is None else jnp.bool_(True) for q in state.q]
+    new_state = PowerSGDState(
+        count=optax.safe_increment(state.count),
+        error=leaves.write(new_errors, per_worker=True),
+        q=new_q,
+    )
+    # The memories saturate (finite for finite input): only the factors Q are read here.
+    state_finite = all_finite([q for q in new_q if q is not None])
+    out, new_state = guarded(bad, out, new_state, state, known, state_finite)
+    return leaves.rebuild(out), new_state
 
 
 def powersgd(
@@ -227,6 +242,9 @@ def powersgd(
         paper's ablation, and the like-for-like comparison with low-rank
         methods that keep no memory, such as rank-dAD).
 
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`PowerSGDState`.
+
     Raises:
       ValueError: ``rank < 1``, ``start_iter < 0``, ``min_compression_rate < 1``,
         a negative epsilon or an invalid ``state_dtype``.
@@ -246,148 +264,10 @@ def powersgd(
             f"orthogonalization_epsilon must be >= 0, got {orthogonalization_epsilon!r}"
         )
     state_dtype = check_state_dtype(state_dtype)
-
-    def plan(shape) -> int:
-        """The rank used for a leaf of ``shape``, 0 if it is sent uncompressed."""
-        if not compressible(shape, rank, min_compression_rate, channels_last):
-            return 0
-        return min(rank, *matrix_view(shape, channels_last))
-
-    def initial_q(key, shape):
-        r = plan(shape)
-        if not r:
-            return None
-        cols = matrix_view(shape, channels_last)[1]
-        return orthogonalize(jax.random.normal(key, (cols, r)), orthogonalization_epsilon)
-
-    def init_fn(params):
-        leaves = Leaves(params, flatten=False)
-        for a in leaves.arrays:
-            warn_if_layout_swapped(a.shape, rank, min_compression_rate, channels_last)
-        keys = jax.random.split(init_key(seed), max(len(leaves.arrays), 1))
-        q = tuple(initial_q(k, a.shape) for k, a in zip(keys, leaves.arrays, strict=False))
-        error = leaves.worker_state(state_zeros(state_dtype))
-        return PowerSGDState(count=jnp.zeros([], jnp.int32), error=error, q=q)
-
-    def dense_means(gs, n):
-        """The mean over workers of each leaf sent uncompressed, in one message."""
-        g32s = [g.astype(jnp.float32) for g in gs]
-        if not g32s:
-            return []
-        record("dense", tuple(g32s), "all_reduce", axis_name)
-        totals = psum_together(g32s, axis_name)
-        return [
-            # no overflow near the maximum: a sum that overflowed is taken again, scaled
-            mean_of_sum(total, lambda s, g=g: psum(g * s, axis_name), n).astype(gs[i].dtype)
-            for i, (g, total) in enumerate(zip(g32s, totals, strict=True))
-        ]
-
-    def factors(m, q, n):
-        """``P`` (orthonormal), the mean ``Q`` of ``m``, and whether their sums were finite."""
-        (p,), (q_mean,), (finite,) = factors_together([m], [q], n)
-        return p, q_mean, finite
-
-    def factors_together(ms, qs, n):
-        """:func:`factors` of every matrix, each factor's sums in one message for all."""
-        if not ms:  # no matrix to compress: no message
-            return [], [], []
-        ps = [(m @ q).astype(jnp.float32) for m, q in zip(ms, qs, strict=True)]
-        record("P", tuple(ps), "all_reduce", axis_name)  # P and Q travel in float32
-        totals_p = psum_together(ps, axis_name)
-        ps = [orthogonalize(t, orthogonalization_epsilon) for t in totals_p]
-        q_news = [(m.T @ p).astype(jnp.float32) for m, p in zip(ms, ps, strict=True)]
-        record("Q", tuple(q_news), "all_reduce", axis_name)
-        totals_q = psum_together(q_news, axis_name)
-        q_means = [t / n for t in totals_q]
-        # Finite sums whose mean Q stays below half of float32's maximum: each product of an
-        # orthonormal P's entry (at most 1) with Q's is then finite, and P Q^T has no NaN.
-        finite = [
-            all_finite([tp, tq]) & (jnp.max(jnp.abs(q), initial=0.0) < _TOP / 2)
-            for tp, tq, q in zip(totals_p, totals_q, q_means, strict=True)
-        ]
-        return ps, q_means, finite
-
-    def rescaled(m, q, n):
-        """:func:`factors` of ``M 2**-a`` and ``Q`` scaled into ``[1, 2)`` (exact scalings,
-        ``2**a <= max_i max|M_i|`` shared by every worker): ``(P, Q 2**-a, a)``.
-
-        ``P`` does not change with the scaling and the mean ``Q`` is ``2**-a``
-        times the true one, but no sum overflows for finite ``M``.
-        """
-        a = jnp.clip(exponent(pmax(jnp.max(jnp.abs(m), initial=0.0), axis_name)), -126, 126)
-        p, q_scaled, _ = factors(ldexp(m, -a), _unit(q)[1], n)
-        return p, q_scaled, a
-
-    def low_rank(g, m, q, p, q_new, finite, n):
-        """The update and residual of one leaf from its factors (their sums already taken)."""
-        # Where the sums overflowed float32 (gradients near its largest value, or a
-        # warm-started Q as large as them), again on scaled M and Q, on such steps only.
-        # The mean Q is kept scaled: the warm start uses only its direction.
-        with unrecorded():
-            p, q_new, a = jax.lax.cond(
-                finite,
-                # (0 with finite's varying axes: on model-sharded params both vary over them)
-                lambda: (p, q_new, finite.astype(jnp.int32) * 0),
-                lambda: rescaled(m, q, n),
-            )
-        # The update as delivered (in g's dtype, saturating at its largest value: the product
-        # can round past it): what it rounds away stays in the memory, which saturates too.
-        approx = to_dtype(saturated(ldexp(outer_sum(p, q_new, g.shape), a)), g.dtype)
-        if not error_feedback:
-            return approx, jnp.zeros(g.shape, jnp.float32), q_new
-        return approx, saturated(m.reshape(g.shape) - approx), q_new
-
-    def compressed_step(arrays, errors, qs, n):
-        """Every leaf's update: the uncompressed leaves' means in one message, then every
-        matrix's ``P`` in one and its ``Q`` in one (as ``powerSGD_hook`` packs them)."""
-        out, new_errors, new_qs = list(arrays), list(errors), list(qs)
-        dense = [i for i, q in enumerate(qs) if q is None]
-        for i, mean in zip(dense, dense_means([arrays[i] for i in dense], n), strict=True):
-            out[i] = mean
-        low = [i for i, q in enumerate(qs) if q is not None]
-        ms = []
-        for i in low:
-            rows, cols = matrix_view(arrays[i].shape, channels_last)
-            m = arrays[i].reshape(rows, cols).astype(jnp.float32)
-            ms.append(saturated(m + errors[i].reshape(rows, cols)))
-        ps, q_means, finite = factors_together(ms, [qs[i] for i in low], n)
-        for j, i in enumerate(low):
-            o, residual, q_new = low_rank(arrays[i], ms[j], qs[i], ps[j], q_means[j], finite[j], n)
-            out[i] = o
-            new_errors[i] = to_dtype(residual.reshape(errors[i].shape), errors[i].dtype)
-            new_qs[i] = q_new
-        return out, new_errors, tuple(new_qs)
-
-    def warmup_step(arrays, errors, qs, n):
-        with unrecorded():
-            return dense_means(arrays, n), list(errors), tuple(qs)
-
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten=False)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        errors = leaves.read(state.error, "error", per_worker=True)
-        n = num_workers(axis_name)
-        args = (leaves.arrays, errors, state.q, n)
-        known = None
-        if start_iter:
-            out, new_errors, new_q = jax.lax.cond(
-                state.count < start_iter,
-                lambda a: warmup_step(*a, n),
-                lambda a: compressed_step(*a, n),
-                args[:3],
-            )
-        else:
-            out, new_errors, new_q = compressed_step(*args)
-            # Finite input gives finite low-rank updates (saturated, from factors kept finite)
-            known = [None if q is None else jnp.bool_(True) for q in state.q]
-        new_state = PowerSGDState(
-            count=optax.safe_increment(state.count),
-            error=leaves.write(new_errors, per_worker=True),
-            q=new_q,
-        )
-        # The memories saturate (finite for finite input): only the factors Q are read here.
-        state_finite = all_finite([q for q in new_q if q is not None])
-        out, new_state = guarded(bad, out, new_state, state, known, state_finite)
-        return leaves.rebuild(out), new_state
-
+    layout = _Layout(rank, min_compression_rate, channels_last)
+    opts = Options(axis_name, orthogonalization_epsilon, error_feedback)
+    init_fn = functools.partial(
+        _init, layout=layout, epsilon=orthogonalization_epsilon, seed=seed, state_dtype=state_dtype
+    )
+    update_fn = functools.partial(_update, opts=opts, start_iter=start_iter)
     return optax.GradientTransformation(init_fn, counted(update_fn))
