@@ -11,6 +11,80 @@ selection, exchange, masking) is :mod:`compjax.transforms.dgc_step`; how the
 messages travel is the ``exchange`` (DGC's own all-gather, or
 :mod:`compjax.exchange`).
 
+The choices of :func:`dgc` (and where they come from):
+
+* **Nesterov** (the public implementation's ``DGCSGDMemory``):
+  ``u <- m (u + g); v <- v + u + g``, i.e. the accumulated update is
+  ``g + m u_new`` as in PyTorch's Nesterov SGD.
+* **Local clipping**: each worker clips its own gradient, per leaf (the
+  whole tree with ``flatten=True``), to L2 norm ``clip_norm / sqrt(n)``
+  before accumulating: the paper's ``N^{-1/2}`` share of a global
+  threshold when the ``n`` workers' gradients are alike.  Applied to
+  dense leaves too.
+* **Without momentum correction** ``v <- v + g`` (top-k with error
+  accumulation, "gradient dropping"); chain with
+  ``optax.sgd(lr, momentum=m)`` to apply the momentum after the exchange.
+  ``momentum``, ``momentum_masking`` then have no effect.
+* **Masking**: ``v`` is always cleared where sent (it is the residual);
+  ``momentum_masking`` controls clearing ``u`` there.
+* **Small leaves** (fewer than ``min_size`` entries; the public code
+  sends biases and norms dense): the same momentum correction with
+  nothing dropped: each worker's whole ``u_i`` (Nesterov ``u_i + g_i``;
+  ``g_i`` without momentum correction) is all-reduced (``psum / n``,
+  counted at its dtype's bits) and ``u_i`` is not masked.  The mean of
+  the workers' momenta is the momentum of the mean gradient, so these
+  leaves follow dense momentum SGD exactly; ``v`` stays zero on them.
+* **Warm-up**: for ``warmup_steps_per_phase = T > 0`` the density is
+  ``warmup_ratios[j]`` during steps ``[jT, (j+1)T)`` and ``ratio``
+  afterwards (the paper: one epoch per phase).  Each phase has its own
+  static ``k`` and is a branch of ``jax.lax.switch`` on the shared step.
+* **Sampled threshold** (:func:`sampled_threshold_select`), with
+  ``accept_band = (lo, hi)`` (paper: 0.8, 1.3): the top
+  ``ceil(num_samples k / d)`` of a strided ~``sample_ratio`` sample (its
+  start rotating with the step) sets the threshold; while fewer than
+  ``ceil(lo k)`` entries pass it, it is multiplied by ``lo`` (up to
+  ``max_adaptation_iters`` times); if the count is within
+  ``[ceil(lo k), floor(hi k)]`` every entry above it is sent, otherwise
+  the exact top-k is.  (The public code also takes the exact top-k when
+  too many pass; when still too few pass it sends those, where this
+  falls back to the exact top-k too.)  The sample's top part holds only
+  ``num_samples k / d`` entries (2 to 3 at ``d = 32768, k = 33``; 10 at
+  ``d = 10^6, k = 1000``), so the count is noisy and the fallback is
+  frequent on small leaves: about 75% of steps on Gaussian data at
+  ``d = 32768``, 50% at ``d = 10^6, k = 1000``.
+  ``sampled_threshold=False`` always uses the exact top-k.  The default
+  (``None``) is the sampled threshold on the all-gather exchange and the
+  exact top-k on the others.
+* **Payload** (static shapes, so the message has a fixed size):
+  ``Payload(wire={"indices": int32[c], "values": g.dtype[c]})`` (values
+  in the gradient's dtype, whatever ``state_dtype``) with capacity
+  ``c = min(d, floor(hi k))`` for the sampled threshold (``k`` for the
+  exact top-k); unused slots carry index ``d`` and value 0 and scatter
+  nothing.  A worker sends ``c (32 + value bits)`` bits per
+  sparse leaf, padding included: that is what ``all_gather`` moves.
+* **Exchange**: the default ``"all_gather"`` gathers every worker's
+  payload above.  ``"scatter_gather"`` or :func:`compjax.hierarchical`
+  send ``v_i`` through :func:`compjax.exchange.compressed_mean` with
+  ``compjax.top_k(ratio=phase ratio)``: the top-``k`` of each shard
+  (``k = max(1, round(ratio m))`` of its ``m`` entries), summed by the
+  shard's owner, whose top-``k`` of the sum plus its error memory
+  (``server_error``, DoubleSqueeze) is all-gathered.  The worker side is
+  unchanged: ``v_i <- v_i - local_i`` with ``local_i`` this worker's part
+  of the exchange (:class:`compjax.exchange.Exchanged`; on a
+  scatter-gather exactly its own sent entries), and ``u_i`` is masked
+  where ``local_i != 0``.  Nothing is lost: ``n sum_t update_t + sum_i
+  v_i + sum_j server_error_j = sum_t sum_i (accumulated g_i)``.  With
+  ``sampled_threshold=True`` each shard's top-k is the sampled
+  threshold (``top_k(select="threshold")`` with ``accept_band``,
+  ``sample_ratio``, ``max_adaptation_iters``: between ``ceil(lo k)`` and
+  ``floor(hi k)`` entries per shard, in ``floor(hi k)`` slots); the
+  default ``None`` picks the exact top-k on these exchanges.  On a
+  hierarchical exchange a worker's whole ``v_i`` leaves it over the fast
+  axis, so ``v_i`` keeps only the residual of the shard it owns and
+  masking clears ``u_i`` nearly everywhere.
+* **Accounting**: ``compjax.communication`` reports the steady-state
+  message (phase ``ratio``); warm-up phases send more.
+
 References:
   Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
   Communication Bandwidth for Distributed Training", ICLR 2018.
@@ -20,6 +94,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -29,7 +104,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import collectives
 from compjax.collectives import AxisName
 from compjax.compressors.selection import check_band
 from compjax.compressors.sparse import top_k
@@ -44,13 +118,7 @@ from compjax.transforms.base import (
     guarded,
     state_zeros,
 )
-from compjax.transforms.dgc_step import (
-    Options,
-    accumulate,
-    clip,
-    dense_leaf,
-    exchange_sparse,
-)
+from compjax.transforms.dgc_step import Options, step_leaves
 
 #: The paper's warm-up densities (75%, 93.75%, 98.4375%, 99.6% sparsity), one
 #: phase each, before the final ``ratio`` (99.9% sparsity by default).
@@ -99,6 +167,90 @@ def _check_warmup(warmup_ratios) -> tuple[float, ...]:
     return tuple(_check_unit("warmup_ratios", r) for r in warmup_ratios)
 
 
+def _options(
+    axis_name: AxisName,
+    ratio,
+    momentum,
+    nesterov,
+    momentum_correction,
+    clip_norm,
+    momentum_masking,
+    warmup_ratios,
+    warmup_steps_per_phase,
+    sampled_threshold,
+    sample_ratio,
+    accept_band,
+    max_adaptation_iters,
+    min_size,
+    exchange: str | Exchange,
+) -> tuple[Options, Exchange]:
+    """:func:`dgc`'s arguments checked (``ValueError`` naming the one out of range), and
+    the exchange they name."""
+    if nesterov and not momentum_correction:
+        raise ValueError(
+            "nesterov=True needs momentum_correction=True (without it, put the Nesterov "
+            "momentum in the optimizer that follows)"
+        )
+    steps = _check_int("warmup_steps_per_phase", warmup_steps_per_phase, 0)
+    ratio = _check_unit("ratio", ratio)
+    warm = _check_warmup(warmup_ratios)
+    route = as_exchange(exchange)
+    own_gather = route == Exchange()  # DGC's own payload, all-gathered
+    opts = Options(
+        axis_name=axis_name,
+        momentum=_check_unit("momentum", momentum, low_open=False),
+        nesterov=bool(nesterov),
+        momentum_correction=bool(momentum_correction),
+        clip_norm=None if clip_norm is None else _check_unit("clip_norm", clip_norm, high=math.inf),
+        momentum_masking=bool(momentum_masking),
+        ratios=(*warm, ratio) if steps > 0 else (ratio,),
+        steps_per_phase=steps,
+        sampled_threshold=own_gather if sampled_threshold is None else bool(sampled_threshold),
+        sample_ratio=_check_unit("sample_ratio", sample_ratio),
+        band=check_band(accept_band, "accept_band"),
+        max_adaptation_iters=_check_int("max_adaptation_iters", max_adaptation_iters, 0),
+        min_size=_check_int("min_size", min_size, 1),
+        exchange=None if own_gather else route,
+    )
+    return opts, route
+
+
+def _init(params, *, opts: Options, server: ServerMemory, flatten: bool, state_dtype) -> DGCState:
+    leaves = Leaves(params, flatten)
+    zeros = state_zeros(state_dtype)
+    return DGCState(
+        step=jnp.zeros([], jnp.int32),
+        momentum=leaves.worker_state(zeros) if opts.momentum_correction else None,
+        velocity=leaves.worker_state(zeros),
+        server_error=server.init(leaves),
+    )
+
+
+def _update(
+    updates, state: DGCState, params=None, *, opts: Options, server: ServerMemory, flatten: bool
+):
+    leaves = Leaves(updates, flatten)
+    bad = any_non_finite(leaves.arrays, opts.axis_name)
+    vs = leaves.read(state.velocity, "velocity", per_worker=True)
+    us = [None] * len(vs)
+    if opts.momentum_correction:
+        us = leaves.read(state.momentum, "momentum", per_worker=True)
+    ms = server.read(leaves, state.server_error)
+    out, new_us, new_vs, new_ms = step_leaves(leaves.arrays, us, vs, ms, state.step, opts)
+    new_state = DGCState(
+        step=optax.safe_increment(state.step),
+        momentum=(
+            leaves.write(cast_like(new_us, us), per_worker=True)
+            if opts.momentum_correction
+            else None
+        ),
+        velocity=leaves.write(cast_like(new_vs, vs), per_worker=True),
+        server_error=server.write(leaves, new_ms, ms),
+    )
+    out, new_state = guarded(bad, out, new_state, state)
+    return leaves.rebuild(out), new_state
+
+
 def dgc(
     axis_name: AxisName,
     ratio: float = 0.001,
@@ -136,82 +288,10 @@ def dgc(
     (``ratio=1``, ``momentum_masking=False``) this is exactly momentum SGD,
     ``optax.sgd(lr, momentum=m)`` on the mean gradient.
 
-    Choices (and where they come from):
-
-    * **Nesterov** (the public implementation's ``DGCSGDMemory``):
-      ``u <- m (u + g); v <- v + u + g``, i.e. the accumulated update is
-      ``g + m u_new`` as in PyTorch's Nesterov SGD.
-    * **Local clipping**: each worker clips its own gradient, per leaf (the
-      whole tree with ``flatten=True``), to L2 norm ``clip_norm / sqrt(n)``
-      before accumulating: the paper's ``N^{-1/2}`` share of a global
-      threshold when the ``n`` workers' gradients are alike.  Applied to
-      dense leaves too.
-    * **Without momentum correction** ``v <- v + g`` (top-k with error
-      accumulation, "gradient dropping"); chain with
-      ``optax.sgd(lr, momentum=m)`` to apply the momentum after the exchange.
-      ``momentum``, ``momentum_masking`` then have no effect.
-    * **Masking**: ``v`` is always cleared where sent (it is the residual);
-      ``momentum_masking`` controls clearing ``u`` there.
-    * **Small leaves** (fewer than ``min_size`` entries; the public code
-      sends biases and norms dense): the same momentum correction with
-      nothing dropped: each worker's whole ``u_i`` (Nesterov ``u_i + g_i``;
-      ``g_i`` without momentum correction) is all-reduced (``psum / n``,
-      counted at its dtype's bits) and ``u_i`` is not masked.  The mean of
-      the workers' momenta is the momentum of the mean gradient, so these
-      leaves follow dense momentum SGD exactly; ``v`` stays zero on them.
-    * **Warm-up**: for ``warmup_steps_per_phase = T > 0`` the density is
-      ``warmup_ratios[j]`` during steps ``[jT, (j+1)T)`` and ``ratio``
-      afterwards (the paper: one epoch per phase).  Each phase has its own
-      static ``k`` and is a branch of ``jax.lax.switch`` on the shared step.
-    * **Sampled threshold** (:func:`sampled_threshold_select`), with
-      ``accept_band = (lo, hi)`` (paper: 0.8, 1.3): the top
-      ``ceil(num_samples k / d)`` of a strided ~``sample_ratio`` sample (its
-      start rotating with the step) sets the threshold; while fewer than
-      ``ceil(lo k)`` entries pass it, it is multiplied by ``lo`` (up to
-      ``max_adaptation_iters`` times); if the count is within
-      ``[ceil(lo k), floor(hi k)]`` every entry above it is sent, otherwise
-      the exact top-k is.  (The public code also takes the exact top-k when
-      too many pass; when still too few pass it sends those, where this
-      falls back to the exact top-k too.)  The sample's top part holds only
-      ``num_samples k / d`` entries (2 to 3 at ``d = 32768, k = 33``; 10 at
-      ``d = 10^6, k = 1000``), so the count is noisy and the fallback is
-      frequent on small leaves: about 75% of steps on Gaussian data at
-      ``d = 32768``, 50% at ``d = 10^6, k = 1000``.
-      ``sampled_threshold=False`` always uses the exact top-k.  The default
-      (``None``) is the sampled threshold on the all-gather exchange and the
-      exact top-k on the others.
-    * **Payload** (static shapes, so the message has a fixed size):
-      ``Payload(wire={"indices": int32[c], "values": g.dtype[c]})`` (values
-      in the gradient's dtype, whatever ``state_dtype``) with capacity
-      ``c = min(d, floor(hi k))`` for the sampled threshold (``k`` for the
-      exact top-k); unused slots carry index ``d`` and value 0 and scatter
-      nothing.  A worker sends ``c (32 + value bits)`` bits per
-      sparse leaf, padding included: that is what ``all_gather`` moves.
-    * **Exchange**: the default ``"all_gather"`` gathers every worker's
-      payload above.  ``"scatter_gather"`` or :func:`compjax.hierarchical`
-      send ``v_i`` through :func:`compjax.exchange.compressed_mean` with
-      ``compjax.top_k(ratio=phase ratio)``: the top-``k`` of each shard
-      (``k = max(1, round(ratio m))`` of its ``m`` entries), summed by the
-      shard's owner, whose top-``k`` of the sum plus its error memory
-      (``server_error``, DoubleSqueeze) is all-gathered.  The worker side is
-      unchanged: ``v_i <- v_i - local_i`` with ``local_i`` this worker's part
-      of the exchange (:class:`compjax.exchange.Exchanged`; on a
-      scatter-gather exactly its own sent entries), and ``u_i`` is masked
-      where ``local_i != 0``.  Nothing is lost: ``n sum_t update_t + sum_i
-      v_i + sum_j server_error_j = sum_t sum_i (accumulated g_i)``.  With
-      ``sampled_threshold=True`` each shard's top-k is the sampled
-      threshold (``top_k(select="threshold")`` with ``accept_band``,
-      ``sample_ratio``, ``max_adaptation_iters``: between ``ceil(lo k)`` and
-      ``floor(hi k)`` entries per shard, in ``floor(hi k)`` slots); the
-      default ``None`` picks the exact top-k on these exchanges.  On a
-      hierarchical exchange a worker's whole ``v_i`` leaves it over the fast
-      axis, so ``v_i`` keeps only the residual of the shard it owns and
-      masking clears ``u_i`` nearly everywhere.
-    * **Accounting**: ``compjax.communication`` reports the steady-state
-      message (phase ``ratio``); warm-up phases send more.
-
-    Non-finite gradients on any worker give NaN updates everywhere and keep
-    the whole state (see :mod:`compjax.transforms.base`).
+    Its choices (Nesterov form, local clipping, small leaves, warm-up, sampled
+    threshold, payload, exchange, accounting) are described in
+    :mod:`compjax.transforms.dgc`.  Non-finite gradients on any worker give NaN
+    updates everywhere and keep the whole state (see :mod:`compjax.transforms.base`).
 
     Args:
       axis_name: the data-parallel axis (``None``: one worker).
@@ -245,6 +325,9 @@ def dgc(
         under ``jax_enable_x64``, whose gradients must still be at most
         float32); messages and updates keep the gradient's dtype.
 
+    Returns:
+      An ``optax.GradientTransformation`` with :class:`DGCState`.
+
     Raises:
       ValueError: a parameter outside its range or an invalid
         ``state_dtype`` (the message names it),
@@ -255,81 +338,16 @@ def dgc(
       Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
       Communication Bandwidth for Distributed Training", ICLR 2018.
     """
-    if nesterov and not momentum_correction:
-        raise ValueError(
-            "nesterov=True needs momentum_correction=True (without it, put the Nesterov "
-            "momentum in the optimizer that follows)"
-        )
-    steps = _check_int("warmup_steps_per_phase", warmup_steps_per_phase, 0)
-    ratio = _check_unit("ratio", ratio)
-    warm = _check_warmup(warmup_ratios)
-    route = as_exchange(exchange)
-    own_gather = route == Exchange()  # DGC's own payload, all-gathered
-    opts = Options(
-        axis_name=axis_name,
-        momentum=_check_unit("momentum", momentum, low_open=False),
-        nesterov=bool(nesterov),
-        momentum_correction=bool(momentum_correction),
-        clip_norm=None if clip_norm is None else _check_unit("clip_norm", clip_norm, high=math.inf),
-        momentum_masking=bool(momentum_masking),
-        ratios=(*warm, ratio) if steps > 0 else (ratio,),
-        steps_per_phase=steps,
-        sampled_threshold=own_gather if sampled_threshold is None else bool(sampled_threshold),
-        sample_ratio=_check_unit("sample_ratio", sample_ratio),
-        band=check_band(accept_band, "accept_band"),
-        max_adaptation_iters=_check_int("max_adaptation_iters", max_adaptation_iters, 0),
-        min_size=_check_int("min_size", min_size, 1),
-        exchange=None if own_gather else route,
-    )
+    opts, route = _options(
+        axis_name, ratio, momentum, nesterov, momentum_correction, clip_norm, momentum_masking,
+        warmup_ratios, warmup_steps_per_phase, sampled_threshold, sample_ratio, accept_band,
+        max_adaptation_iters, min_size, exchange,
+    )  # fmt: skip
     # Every phase's top_k keeps a memory or none alike: the ratio does not matter.
     state_dtype = check_state_dtype(state_dtype)
-    server = ServerMemory(top_k(ratio=ratio), route, state_dtype)
-
-    zeros = state_zeros(state_dtype)
-
-    def init_fn(params):
-        leaves = Leaves(params, flatten)
-        return DGCState(
-            step=jnp.zeros([], jnp.int32),
-            momentum=leaves.worker_state(zeros) if opts.momentum_correction else None,
-            velocity=leaves.worker_state(zeros),
-            server_error=server.init(leaves),
-        )
-
-    def update_fn(updates, state, params=None):
-        n = collectives.num_workers(axis_name)
-        leaves = Leaves(updates, flatten)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        vs = leaves.read(state.velocity, "velocity", per_worker=True)
-        us = [None] * len(vs)
-        if opts.momentum_correction:
-            us = leaves.read(state.momentum, "momentum", per_worker=True)
-        ms = server.read(leaves, state.server_error)
-        out, new_us, new_vs, new_ms = [None] * len(vs), list(us), list(vs), list(ms)
-        sparse = []
-        for i, g in enumerate(leaves.arrays):
-            g = clip(g, opts, n)
-            if g.size < opts.min_size:
-                out[i], new_us[i] = dense_leaf(g, us[i], opts, n)
-            else:
-                sparse.append(i)
-                new_us[i], new_vs[i] = accumulate(g, us[i], vs[i], opts)
-        pick = lambda xs: [xs[i] for i in sparse]  # noqa: E731
-        wire = [leaves.arrays[i].dtype for i in sparse]
-        sent = exchange_sparse(pick(new_vs), pick(new_us), pick(ms), state.step, opts, n, wire)
-        for j, i in enumerate(sparse):
-            out[i], new_us[i], new_vs[i], new_ms[i] = (s[j] for s in sent)
-        new_state = DGCState(
-            step=optax.safe_increment(state.step),
-            momentum=(
-                leaves.write(cast_like(new_us, us), per_worker=True)
-                if opts.momentum_correction
-                else None
-            ),
-            velocity=leaves.write(cast_like(new_vs, vs), per_worker=True),
-            server_error=server.write(leaves, new_ms, ms),
-        )
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
+    server = ServerMemory(top_k(ratio=opts.ratios[-1]), route, state_dtype)
+    init_fn = functools.partial(
+        _init, opts=opts, server=server, flatten=flatten, state_dtype=state_dtype
+    )
+    update_fn = functools.partial(_update, opts=opts, server=server, flatten=flatten)
     return optax.GradientTransformation(init_fn, counted(update_fn))

@@ -9,10 +9,8 @@ top-k per shard (:func:`exchanged_leaf`), in the warm-up phase of the step
 are :mod:`compjax.transforms.dgc`.
 
 References:
-  Lin, Han, Mao, Wang, Dally, "Deep Gradient Compression: Reducing the
-  Communication Bandwidth for Distributed Training", ICLR 2018.
-  The authors' public implementation (``DGCSGDMemory``): the Nesterov form
-  follows it.
+  Lin et al., "Deep Gradient Compression", ICLR 2018, and the authors' public
+  ``DGCSGDMemory`` (see :mod:`compjax.transforms.dgc`).
 """
 
 from __future__ import annotations
@@ -36,8 +34,9 @@ from compjax.compressors.selection import (
 )
 from compjax.compressors.sparse import TopK, top_k
 from compjax.exchange import Exchange, compressed_mean
-from compjax.numerics import mean_of_sum
+from compjax.exchange.overflow import mean_without_overflow
 from compjax.payload import Payload
+from compjax.transforms.padded_sparse import gather
 
 
 class Options(NamedTuple):
@@ -97,13 +96,13 @@ def dense_leaf(g, u, opts: Options, n: int):
         return v, u
 
     # Near the dtype's largest value the sum overflows though the mean does not: resent
-    # pre-scaled by a power of two on such steps (mean_of_sum).
+    # pre-scaled by a power of two on such steps (mean_without_overflow).
     def resum(scale):
         return collectives.psum(
             v if scale == 1.0 else v * jnp.asarray(scale, v.dtype), opts.axis_name
         )
 
-    return mean_of_sum(resum(1.0), resum, n).astype(g.dtype), u
+    return mean_without_overflow(resum(1.0), resum, n)[0].astype(g.dtype), u
 
 
 def select(v, k, step, opts: Options) -> Selection:
@@ -118,12 +117,6 @@ def select(v, k, step, opts: Options) -> Selection:
         band=opts.band,
         max_adaptation_iters=opts.max_adaptation_iters,
     )
-
-
-def gather(payload: Payload, axis_name: AxisName) -> Payload:
-    if axis_name is None:
-        return jax.tree.map(lambda a: a[None], payload)
-    return collectives.all_gather(payload, axis_name)
 
 
 def sparse_leaf(v, u, ratio, step, opts: Options, n: int, wire_dtype):
@@ -149,7 +142,7 @@ def sparse_leaf(v, u, ratio, step, opts: Options, n: int, wire_dtype):
         scaled = sent if scale == 1.0 else sent * scale
         return jnp.zeros((d,), jnp.float32).at[indices].add(scaled, mode="drop")
 
-    mean = mean_of_sum(resum(1.0), resum, n).astype(wire_dtype).reshape(v.shape)
+    mean = mean_without_overflow(resum(1.0), resum, n)[0].astype(wire_dtype).reshape(v.shape)
     residual = picked - values.astype(flat.dtype)
     v = flat.at[sel.indices].set(residual, mode="drop").reshape(v.shape)
     if u is not None and opts.momentum_masking:
@@ -225,3 +218,36 @@ def exchange_sparse(vs, us, memories, step, opts: Options, n: int, wire_dtypes):
         return branches[0](vs, us, memories)
     phase = jnp.minimum(step // opts.steps_per_phase, last)
     return jax.lax.switch(phase, branches, vs, us, memories)
+
+
+def step_leaves(arrays, us, vs, memories, step, opts: Options):
+    """Every leaf's step: clip, then the small leaves' dense all-reduce and the sparse leaves'
+    accumulation and :func:`exchange_sparse`.
+
+    Args:
+      arrays: this worker's gradients, one per leaf.
+      us: the momenta ``u`` (``None`` entries without momentum correction).
+      vs: the velocities ``v``.
+      memories: the shard owners' memories (``None`` entries where none is kept).
+      step: the shared step count.
+      opts: the arguments of :func:`compjax.transforms.dgc.dgc`.
+
+    Returns:
+      ``(updates, us, vs, memories)``, one list each, in leaf order.
+    """
+    n = collectives.num_workers(opts.axis_name)
+    out, new_us, new_vs, new_ms = [None] * len(vs), list(us), list(vs), list(memories)
+    sparse = []
+    for i, g in enumerate(arrays):
+        g = clip(g, opts, n)
+        if g.size < opts.min_size:
+            out[i], new_us[i] = dense_leaf(g, us[i], opts, n)
+        else:
+            sparse.append(i)
+            new_us[i], new_vs[i] = accumulate(g, us[i], vs[i], opts)
+    pick = lambda xs: [xs[i] for i in sparse]  # noqa: E731
+    wire = [arrays[i].dtype for i in sparse]
+    sent = exchange_sparse(pick(new_vs), pick(new_us), pick(memories), step, opts, n, wire)
+    for j, i in enumerate(sparse):
+        out[i], new_us[i], new_vs[i], new_ms[i] = (s[j] for s in sent)
+    return out, new_us, new_vs, new_ms
