@@ -300,10 +300,10 @@ def atomo_svd(budget: float) -> AtomoSVD:
       to the sum of the kept rank-1 terms in the input's shape.
 
     Raises:
-      ValueError: ``budget`` is not a positive finite number.
+      ValueError: ``budget`` (atoms expected) is not a positive finite number.
 
     References:
       Wang et al., "ATOMO: Communication-efficient Learning via Atomic
-      Sparsification", NeurIPS 2018.
+      Sparsification", NeurIPS 2018 (the singular value decomposition's atoms).
     """
     return AtomoSVD(budget=_check_budget(budget))
