@@ -206,26 +206,19 @@ def round_up_to(y: jax.Array, dtype) -> jax.Array:
     return jnp.where(near.astype(jnp.float32) < y, up, near).astype(jnp.float32)
 
 
-def mean_of_sum(total: jax.Array, resum, n: int) -> jax.Array:
-    """``total / n`` for ``total``, a sum of ``n`` finite terms, without overflow.
+def prescale(n: int, headroom: int = 0) -> tuple[float, float]:
+    """``(2**-k, 2**k / n)`` with ``2**k`` the power of two ``>= n``, times ``2**headroom``.
 
-    Terms each at most their dtype's largest value can sum to Inf though
-    their mean is finite.  Where any entry of ``total`` is not finite,
-    ``resum(2.0**-k)`` (the same sum of every term times ``2**-k``, with
-    ``2**k >= n`` the smallest such power of two: an exact scaling, whose sum
-    cannot overflow) is taken instead, times ``2**k / n`` in float32,
-    saturating at ``total``'s dtype's largest value.  Otherwise the result is
-    ``total / n`` bit for bit.  ``resum`` runs only on such steps
-    (``lax.cond`` on ``total``, which must be the same on every worker: a
-    reduced value); a term that is itself Inf or NaN keeps the result
-    non-finite.
+    A sum of ``n`` float32 values each at most float32's largest value can
+    overflow though their mean cannot; the same sum of the values times
+    ``2**-k`` (an exact scaling) cannot, and times ``2**k / n`` it is the mean.
+
+    Args:
+      n: the number of summands (workers), at least 1.
+      headroom: extra binades of room below float32's largest value.
+
+    Returns:
+      ``(down, up)``: the exact scaling before the sum and the factor after it.
     """
-    k = max(0, math.ceil(math.log2(n)))
-
-    def rescaled():
-        scaled = jnp.asarray(resum(2.0**-k)).astype(jnp.float32)
-        top = float(jnp.finfo(total.dtype).max)
-        mean = jnp.clip(scaled * (2.0**k / n), -top, top)
-        return jnp.where(jnp.isfinite(scaled), mean, scaled).astype(total.dtype)
-
-    return jax.lax.cond(all_finite(total), lambda: total / n, rescaled)
+    k = max(0, math.ceil(math.log2(n))) + headroom
+    return 2.0**-k, 2.0**k / n

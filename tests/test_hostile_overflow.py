@@ -17,7 +17,6 @@ import pytest
 
 import compjax
 from compjax.exchange.overflow import mean_without_overflow
-from compjax.numerics import mean_of_sum
 from compjax.transforms.powersgd import orthogonalize
 
 WORKERS = 4
@@ -113,21 +112,54 @@ def test_orthogonalize_columns_beyond_the_norms_overflow():
         np.testing.assert_array_equal(got, want, err_msg=str(scale))
 
 
-def test_mean_of_sum_is_total_over_n_unless_it_overflowed():
+def test_a_transformations_mean_is_total_over_n_unless_it_overflowed():
+    """The means DGC and PowerSGD take themselves (``mean_without_overflow``, as each
+    exchange's): the rescaled sum where the sum overflowed, ``total / n`` bit for bit where
+    it did not, and a poisoned term keeps its entry non-finite."""
     values = jnp.asarray([[1.0, 3e38, -TOP], [2.0, 3e38, -TOP], [4.0, 3e38, -TOP]], jnp.float32)
 
     def resum(s):
         return jnp.sum(values * s, axis=0)
 
-    got = np.asarray(jax.jit(lambda: mean_of_sum(resum(1.0), resum, 3))())
+    got = np.asarray(jax.jit(lambda: mean_without_overflow(resum(1.0), resum, 3)[0])())
     np.testing.assert_allclose(got, [7 / 3, 3e38, -TOP], rtol=1e-7)
     assert np.all(np.isfinite(got))
     small = values[:, :1]
-    plain = jax.jit(lambda: mean_of_sum(jnp.sum(small, 0), lambda s: jnp.sum(small * s, 0), 3))
+    plain = jax.jit(
+        lambda: mean_without_overflow(jnp.sum(small, 0), lambda s: jnp.sum(small * s, 0), 3)[0]
+    )
     np.testing.assert_array_equal(plain(), jax.jit(lambda: jnp.sum(small, 0) / 3)())
     poisoned = values.at[0, 1].set(jnp.inf)
-    out = mean_of_sum(jnp.sum(poisoned, axis=0), lambda s: jnp.sum(poisoned * s, axis=0), 3)
-    assert not np.isfinite(np.asarray(out)[1])
+    out, finite = mean_without_overflow(
+        jnp.sum(poisoned, axis=0), lambda s: jnp.sum(poisoned * s, axis=0), 3
+    )
+    assert not np.isfinite(np.asarray(out)[1]) and not bool(finite)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("workers", [3, 4])
+def test_a_low_precision_sum_keeps_its_dtype_and_saturates_at_its_largest(dtype, workers):
+    """A sum in bfloat16 or float16 (DGC's dense all-reduce sends the gradient's dtype): the
+    mean comes back in that dtype, ``total / n`` bit for bit where the sum is finite, and
+    where it overflowed the rescaled sum, saturating at the dtype's largest value (float32's
+    largest would round to Inf there), not Inf."""
+    top = float(jnp.finfo(dtype).max)
+    rows = [[1.0, top, -top, 0.75 * top]] + [[2.0, top, -top, 0.5 * top]] * (workers - 1)
+    values = jnp.asarray(rows, dtype)
+
+    @jax.jit
+    def mean(values):
+        return mean_without_overflow(jnp.sum(values, 0), lambda s: jnp.sum(values * s, 0), workers)
+
+    got, finite = mean(values)
+    assert got.dtype == dtype and bool(finite)
+    plain = jax.jit(lambda v: jnp.sum(v, 0) / workers)(values)
+    np.testing.assert_array_equal(np.asarray(got)[:1], np.asarray(plain)[:1])
+    want = np.mean(np.asarray(values, np.float64), axis=0)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-2)
+    assert np.all(np.isfinite(np.asarray(got, np.float64)))
+    if workers == 4:  # 4 x top/4 is top exactly
+        assert np.asarray(got, np.float64)[1] == top and np.asarray(got, np.float64)[2] == -top
 
 
 @pytest.mark.parametrize("workers", [1, 3])
@@ -169,7 +201,8 @@ def test_mean_without_overflow_is_total_over_n_unless_it_overflowed_and_keeps_no
 
 
 def test_under_shard_map_near_the_limit():
-    """The rescaled sums run inside ``lax.cond`` on every worker alike (shard_map, 4 devices)."""
+    """The rescaled sums run inside the overflow check's loop on every worker alike (shard_map,
+    4 devices)."""
     mesh = jax.make_mesh((WORKERS,), ("data",))
     P = jax.P
     grads = _grads(3e38)

@@ -1,19 +1,24 @@
-"""The flat exchanges: how one array's compressed mean travels over one set of axes.
+"""The flat exchanges: how one array's compressed sum travels over one set of axes.
 
-:mod:`compjax.exchange` picks one of these for each message (and adds the
-hierarchical exchange, the overflow guard, buckets in pieces and the
+:mod:`compjax.exchange.choose` picks one of these for each message (and adds
+the hierarchical exchange, the overflow guard, buckets in pieces and the
 dtypes); each takes the compressor, a key all workers share, this worker's
 array (a flat array in :class:`compjax.pieces.Pieces` for the first two),
 the axes' names and their number of workers ``n``:
 
-* :func:`gathered_mean`: one payload of the whole array, all-gathered and
+* :func:`gathered_sum`: one payload of the whole array, all-gathered and
   decoded ``n`` times, or for a ``linear`` compressor ``psum``-ed and
   decoded once;
-* :func:`summed_mean`: a ``summable`` compressor's integer codes for one
+* :func:`summed_codes`: a ``summable`` compressor's integer codes for one
   shared scale (``pmax``), summed by ``psum``;
 * :func:`scatter_gathered`: the compressed all-reduce of ``"scatter_gather"``,
   the scatter half (:func:`compjax.exchange.scatter.scatter`) followed by a second
   compression and an all-gather.
+
+The first two return a :data:`Sum`: the float32 sum over workers, the same
+sum again with every message times a scale (what
+:func:`compjax.exchange.overflow.mean_without_overflow` takes where the sum
+overflowed) and the step that turns the mean into what the exchange returns.
 
 The second compression of ``"scatter_gather"``.  Worker ``j`` holds
 ``S_j = sum_i C_1(x_i^j)`` and sends ``C_2(S_j + m_j)``:
@@ -42,20 +47,44 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 from compjax import collectives
 from compjax.collectives import record, worker_index
-from compjax.exchange.overflow import mean_without_overflow, prescale
-from compjax.exchange.scatter import block_of, decoded_sum, placed_block, scatter, widened
+from compjax.compressor import Compressor
+from compjax.exchange.scatter import (
+    block_of,
+    decoded_sum,
+    placed_block,
+    scatter,
+    summable,
+    widened,
+)
+from compjax.numerics import prescale, to_dtype
+from compjax.payload import Payload
 from compjax.pieces import Pieces
+
+#: ``(total, resum, finish)``: the float32 sum over workers; ``resum(scale)``, the same
+#: sum of every worker's message times ``scale``; ``finish(mean, finite)``, the mean (and
+#: whether it is finite) as ``(mean, own, finite)``, ``own`` this worker's payload
+#: (:func:`gathered_sum`) or decoded message (:func:`summed_codes`).
+Sum = tuple[jax.Array, Callable[[float], jax.Array], Callable]
 
 
 def compress_message(comp, key, x):
     """``comp``'s payload of an array, or of a flat array in pieces."""
     return comp.compress_pieces(key, x) if isinstance(x, Pieces) else comp.compress(key, x)
+
+
+def single(comp: Compressor, key, x, names) -> Payload:
+    """One worker's payload of ``x`` (an array, or a flat array in pieces), logged as sent."""
+    payload = compress_message(comp, key, x)
+    via = "all_reduce" if comp.linear or summable(comp) else "all_gather"
+    record("payload", payload, via, names)
+    return payload
 
 
 def _times(x, scale: float):
@@ -65,50 +94,55 @@ def _times(x, scale: float):
     return x * jnp.asarray(scale, x.dtype)
 
 
-def gathered_mean(comp, key, x, names, n, guard=True):
-    """All-gather (or, for a linear compressor, psum): ``(mean over workers, own payload, finite)``.
+def _psummed(comp, key, x, names, scale: float = 1.0):
+    """A linear compressor's payloads summed by ``psum`` and decoded once:
+    ``(the decoded sum flattened, own payload)``.
 
-    ``finite``: whether the mean is finite, from the overflow check
-    (:func:`compjax.exchange.overflow.mean_without_overflow`); ``None`` unguarded.
+    Flattened: the overflow check's loop carries it and reads it 1-D (a decode in the
+    array's shape was written twice, once for the loop and once flat for the check).
+    """
+    payload = compress_message(comp, key, x if scale == 1.0 else _times(x, scale))
+    record("payload", payload, "all_reduce", names)
+    total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
+    # Decoded in float32: the sum may lie beyond x's dtype though the mean does not.
+    return comp.decompress(widened(total)).astype(jnp.float32).reshape(-1), payload
+
+
+def gathered_sum(comp, key, x, names, n) -> Sum:
+    """All-gather (or, for a linear compressor, psum): the :data:`Sum` of the workers' messages.
+
+    Its ``finish`` gives ``(mean, own payload, finite)``.
     """
     if comp.linear:
+        total, payload = _psummed(comp, key, x, names)
 
-        def summed(scale):
-            """The decoded psum, flattened: the overflow check's loop carries it and reads it
-            1-D (a decode in the array's shape was written twice, once for the loop and
-            once flat for the check)."""
-            payload = compress_message(comp, key, x if scale == 1.0 else _times(x, scale))
-            record("payload", payload, "all_reduce", names)
-            total = dataclasses.replace(payload, wire=collectives.psum(dict(payload.wire), names))
-            # Decoded in float32: the sum may lie beyond x's dtype though the mean does not.
-            return comp.decompress(widened(total)).astype(jnp.float32).reshape(-1), payload
+        def finish(mean, finite):
+            return mean.reshape(payload.meta[0]), payload, finite
 
-        total, payload = summed(1.0)
-        if not guard:
-            return (total / n).reshape(payload.meta[0]), payload, None
         # A psum of values near the dtype's largest overflows: resent pre-scaled (exact).
-        mean, finite = mean_without_overflow(total, lambda s: summed(s)[0], n)
-        return mean.reshape(payload.meta[0]), payload, finite
+        return total, lambda s: _psummed(comp, key, x, names, s)[0], finish
     payload = compress_message(comp, collectives.worker_key(key, names), x)
     record("payload", payload, "all_gather", names)
     gathered = collectives.all_gather(payload, names)
     total = decoded_sum(comp, gathered, n)
-    if not guard:
-        return total / n, payload, None
-    mean, finite = mean_without_overflow(total, lambda s: decoded_sum(comp, gathered, n, s), n)
-    return mean, payload, finite
+    return (
+        total,
+        lambda s: decoded_sum(comp, gathered, n, s),
+        lambda mean, finite: (mean, payload, finite),
+    )
 
 
-def summed_mean(comp, key, flat, names, n, guard=True):
-    """Shared scale (``pmax``), integer codes summed by ``psum``: ``(mean, own decoded, finite)``.
+def summed_codes(comp, key, flat, names, n) -> Sum:
+    """Shared scale (``pmax``), integer codes summed by ``psum``: the :data:`Sum` of the codes.
 
-    A rotating compressor (``int_quant(rotate=True)``) codes ``H D x`` with
-    signs from ``key``, which all workers share: the rotation is linear, so
-    the summed codes are unrotated once.  ``flat`` may be in
+    Its ``finish`` gives ``(mean, own decoded, finite)``.  A rotating
+    compressor (``int_quant(rotate=True)``) codes ``H D x`` with signs from
+    ``key``, which all workers share: the rotation is linear, so the summed
+    codes are unrotated once, in ``finish``.  ``flat`` may be in
     :class:`compjax.pieces.Pieces`, which the summable protocol's
-    ``rotate_in``, ``scale_of`` and ``encode_words`` take.  ``finite``: whether
-    the mean is finite, from the overflow check; ``None`` unguarded or rotating
-    (the unrotation of a finite mean can overflow).
+    ``rotate_in``, ``scale_of`` and ``encode_words`` take.  ``finite`` is then
+    ``None`` for a rotating compressor (the unrotation of a finite mean can
+    overflow).
     """
     d = flat.shape[0]
     flat = comp.rotate_in(key, flat)
@@ -118,15 +152,17 @@ def summed_mean(comp, key, flat, names, n, guard=True):
     record("payload", words, "all_reduce", names)
     m = flat.shape[0]
     summed = collectives.psum(words, names)
-    total = comp.decode_words(summed, scale, n, n, m)
-    mean, finite = (
-        mean_without_overflow(total, lambda s: comp.decode_words(summed, scale * s, n, n, m), n)
-        if guard
-        else (total / n, None)
+
+    def finish(mean, finite):
+        own = comp.decode_words(words, scale, 1, n, m)
+        finite = None if getattr(comp, "rotate", False) else finite
+        return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d), finite
+
+    return (
+        comp.decode_words(summed, scale, n, n, m),
+        lambda s: comp.decode_words(summed, scale * s, n, n, m),
+        finish,
     )
-    own = comp.decode_words(words, scale, 1, n, m)
-    finite = None if getattr(comp, "rotate", False) else finite
-    return comp.rotate_out(key, mean, d), comp.rotate_out(key, own, d), finite
 
 
 def scatter_gathered(comp, key, flat, memory, names, n):
@@ -155,6 +191,15 @@ def scatter_gathered(comp, key, flat, memory, names, n):
     if memory is not None:
         return total, own, placed_block(target - sent, me, n, d)
     return total, own + placed_block(sent - mine, me, n, d), None
+
+
+def in_shape_of(x: jax.Array, a: jax.Array | None) -> jax.Array | None:
+    """A mean or local part ``a`` in ``x``'s shape and dtype (``None`` stays ``None``).
+
+    A saturating cast (:func:`compjax.numerics.to_dtype`): a float32 mean at
+    float32's maximum is not bfloat16's Inf.
+    """
+    return None if a is None else to_dtype(a.reshape(x.shape), x.dtype)
 
 
 def narrow_range(dtype) -> bool:

@@ -1,10 +1,22 @@
-"""Means over workers whose float32 sums would overflow though the means cannot.
+"""Means over workers whose sums would overflow though the means cannot.
 
-``n`` workers each sending values near float32's largest value sum to Inf.
-The helpers here keep the plain ``sum / n`` (bit for bit) wherever the sum
-is finite, and only on steps where it overflowed run the sum again on the
-values pre-scaled by an exact power of two: nothing extra is sent otherwise,
-and a resent message is not logged as traffic.
+``n`` workers each sending values near their dtype's largest value sum to
+Inf.  The two guards here keep the plain ``sum / n`` (bit for bit) wherever
+the sum is finite, and only on steps where it overflowed take the sum again
+on the values pre-scaled by an exact power of two
+(:func:`compjax.numerics.prescale`): nothing extra is sent otherwise, and a
+resent message is not logged as traffic.
+
+* :func:`mean_without_overflow`: the one overflow-safe mean of a sum, given
+  the sum and a way to take it again scaled (every flat exchange's mean,
+  and the means PowerSGD and DGC take themselves);
+* :func:`rescaled_if_overflow`: a whole exchange run again pre-scaled
+  (scatter-gather and hierarchical, whose second compression sees the sum).
+
+Both are called from above (:mod:`compjax.exchange.choose`, the
+transformations) with the exchange's own sums
+(:mod:`compjax.exchange.two_level`, :mod:`compjax.exchange.flat`) as
+arguments, which they call down.
 
 The second run is the body of a ``while_loop`` that runs at most once, not
 a branch of a ``lax.cond``: under ``vmap`` (simulated workers) a ``cond`` on
@@ -15,28 +27,16 @@ arguments of the same types, so JAX traces it once.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from compjax import collectives, numerics
+from compjax.numerics import prescale
 
 #: Extra binades of headroom when a whole exchange is run again pre-scaled: a lossy
 #: compressor's decode can exceed its input's largest entry (QSGD's levels reach
 #: ``||x||``, up to ``sqrt(d) max|x|``), and its sums with it.
 HEADROOM = 32
-
-
-def prescale(n: int, headroom: int = 0) -> tuple[float, float]:
-    """``(2**-k, 2**k / n)`` with ``2**k`` the power of two ``>= n``, times ``2**headroom``.
-
-    A sum of ``n`` float32 values each at most float32's largest value can
-    overflow though their mean cannot; the same sum of the values times
-    ``2**-k`` (an exact scaling) cannot, and times ``2**k / n`` it is the mean.
-    """
-    k = max(0, math.ceil(math.log2(n))) + headroom
-    return 2.0**-k, 2.0**k / n
 
 
 def scaled_back(a: jax.Array, factor: float) -> jax.Array:
@@ -47,22 +47,35 @@ def scaled_back(a: jax.Array, factor: float) -> jax.Array:
     return jnp.where(jnp.isfinite(a), jnp.clip(a * factor, -top, top), a)
 
 
-def mean_without_overflow(total: jax.Array, rescaled, n: int) -> tuple[jax.Array, jax.Array]:
-    """``(total / n, finite)`` of the float32 sum ``total`` over ``n`` workers, without overflow.
+def mean_without_overflow(total: jax.Array, resum, n: int) -> tuple[jax.Array, jax.Array]:
+    """``(total / n, finite)`` of ``total``, a sum over ``n`` workers, without overflow.
 
-    Where the sum overflowed (it is exact, bit for bit, wherever it did
-    not), ``rescaled(2**-k)``, the same sum of the workers' values times
-    ``2**-k`` (:func:`prescale`), times ``2**k / n``: only on steps where
-    some entry overflowed (:func:`once_more_if_not_finite`; nothing extra is
-    sent otherwise, and a resent message is not logged as traffic).
-    ``finite`` says whether the mean is finite (a scalar).
+    Terms each at most their dtype's largest value can sum to Inf though
+    their mean is finite.  Wherever ``total`` is finite the mean is
+    ``total / n`` bit for bit; where an entry is not, it is ``resum(2**-k)``
+    (the same sum of every term times ``2**-k``, :func:`compjax.numerics.prescale`:
+    an exact scaling whose sum cannot overflow) times ``2**k / n`` in float32,
+    saturating at ``total``'s dtype's largest value.  ``resum`` runs only on
+    such steps (:func:`once_more_if_not_finite`: nothing extra is sent
+    otherwise, and what it sends is not logged as traffic); a term that is
+    itself Inf or NaN keeps that entry non-finite.
+
+    Args:
+      total: the sum (any float dtype; the same on every worker: a reduced value).
+      resum: ``scale -> `` the same sum of every term times ``scale``.
+      n: the number of terms (workers).
+
+    Returns:
+      ``(mean, finite)``: the mean in ``total``'s dtype, and whether it is
+      finite (a boolean scalar).
     """
     down, up = prescale(n)
 
     def again(carried):
         (total,) = carried
         with collectives.unrecorded():
-            return (jnp.where(jnp.isfinite(total), total / n, scaled_back(rescaled(down), up)),)
+            rescaled = numerics.to_dtype(scaled_back(resum(down), up), total.dtype)
+        return (jnp.where(jnp.isfinite(total), total / n, rescaled),)
 
     retry, (out,), finite = once_more_if_not_finite(total, (total,), again)
     return jnp.where(retry, out, out / n), finite
@@ -104,7 +117,7 @@ def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
     """An exchange ``run(x, memory) -> (total, local, memory)`` as ``(mean, local, memory, ok)``.
 
     If its float32 sum overflows anywhere, the exchange is run again on ``x``
-    and ``memory`` times ``2**-(k + HEADROOM)`` (:func:`prescale`, exact
+    and ``memory`` times ``2**-(k + HEADROOM)`` (:func:`compjax.numerics.prescale`, exact
     except that entries below about ``2**(-94 + k)`` flush to zero; no
     headroom for float16) and its
     results scaled back (the mean by ``2**(k + HEADROOM) / n``, ``local`` and
