@@ -14,20 +14,37 @@ import optax
 
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.exchange import Exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    cast_like,
-    check_grouping,
-    check_state_dtype,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
-)
+from compjax.exchange import Exchange, Exchanged, compressed_mean
+from compjax.transforms.scaffold import Leaf, LeafStep, exchanged, leafwise
+
+
+def ef21_message(update: jax.Array, local: jax.Array) -> jax.Array:
+    """What an EF21 worker compresses: its update minus its estimate, ``grad_i - g_i``.
+
+    Args:
+      update: the worker's update ``grad_i``.
+      local: its estimate ``g_i`` (same shape).
+
+    Returns:
+      ``grad_i - g_i``, in the wider of the two dtypes (the caller sends it cast to the
+      update's dtype).
+    """
+    return update - local
+
+
+def ef21_estimates(local: jax.Array, estimate: Any, sent: Exchanged) -> tuple[jax.Array, Any]:
+    """The new estimates of EF21: ``g_i <- g_i + c_i`` and ``g <- g + mean_i c_i``.
+
+    Args:
+      local: the worker's estimate ``g_i``.
+      estimate: the shared estimate ``g`` (or the part of it the worker keeps).
+      sent: the exchange of :func:`ef21_message`'s; its ``local`` is this worker's decoded
+        message ``c_i`` (``local``'s shape), its ``mean`` the mean of those (``estimate``'s).
+
+    Returns:
+      ``(g_i + c_i, g + mean_i c_i)``, each in the wider of its operands' dtypes.
+    """
+    return local + sent.local, estimate + sent.mean
 
 
 class EF21State(NamedTuple):
@@ -82,50 +99,27 @@ def ef21(
         parameters' dtype where wider) even for bfloat16/float16 gradients;
         messages and updates keep the gradient's dtype.
 
+    Returns:
+      An ``optax.GradientTransformation`` whose update is the new shared estimate ``g``
+      (its state an :class:`EF21State`).
+
     Raises:
-      ValueError: ``bucket_size`` or ``state_dtype`` invalid.
+      ValueError: ``bucket_size``, ``state_dtype`` or ``exchange`` invalid.
 
     References:
       Richtarik et al., "EF21: A New, Simpler, Theoretically Better, and
       Practically Faster Error Feedback", NeurIPS 2021.
     """
 
-    state_dtype = check_state_dtype(state_dtype)
-    server = ServerMemory(comp, exchange, state_dtype)
+    sc = exchanged(EF21State, comp, axis_name, flatten, bucket_size, seed, exchange, state_dtype)
 
-    check_grouping(flatten, bucket_size)
+    def step(leaf: Leaf) -> LeafStep:
+        local, estimate = leaf.state
+        x = ef21_message(leaf.update, local).astype(leaf.update.dtype)
+        c = compressed_mean(comp, leaf.key, x, axis_name, exchange, leaf.memory)
+        new_local, new_estimate = ef21_estimates(local, estimate, c)
+        # The update is the new estimate, in the gradient's dtype.
+        out = new_estimate.astype(leaf.update.dtype)
+        return LeafStep(out, (new_local, new_estimate), c.memory)
 
-    def init_fn(params):
-        leaves = Leaves(params, flatten, bucket_size)
-        return EF21State(
-            key=init_key(seed),
-            local=leaves.worker_state(state_zeros(state_dtype)),
-            estimate=leaves.shared_state(state_zeros(state_dtype)),
-            server_error=server.init(leaves),
-        )
-
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        local = leaves.read(state.local, "local", per_worker=True)
-        estimate = leaves.read(state.estimate, "estimate", per_worker=False)
-        memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        new_local, new_estimate, new_memories = [], [], []
-        rows = zip(keys, leaves.arrays, local, estimate, memories, strict=True)
-        for k, g, gi, gs, m in rows:
-            c = compressed_mean(comp, k, (g - gi).astype(g.dtype), axis_name, exchange, m)
-            new_local.append(gi + c.local)
-            new_estimate.append(gs + c.mean)
-            new_memories.append(c.memory)
-        new_state = EF21State(
-            key=key,
-            local=leaves.write(cast_like(new_local, local), per_worker=True),
-            estimate=leaves.write(cast_like(new_estimate, estimate), per_worker=False),
-            server_error=server.write(leaves, new_memories, memories),
-        )
-        out = cast_like(new_estimate, leaves.arrays)  # the update, in the gradient's dtype
-        out, new_state = guarded(bad, out, new_state, state)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    return leafwise(sc, step)

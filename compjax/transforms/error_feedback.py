@@ -15,20 +15,36 @@ import optax
 
 from compjax.collectives import AxisName
 from compjax.compressor import Compressor
-from compjax.exchange import Exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    cast_like,
-    check_grouping,
-    check_state_dtype,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
-)
+from compjax.exchange import Exchange, Exchanged, compressed_mean
+from compjax.transforms.scaffold import Leaf, LeafStep, exchanged, leafwise
+
+
+def ef_message(update: jax.Array, error: jax.Array) -> jax.Array:
+    """What an error-feedback worker compresses: its update plus its memory, ``p = g + e``.
+
+    Args:
+      update: the worker's update ``g``.
+      error: its memory ``e`` (same shape).
+
+    Returns:
+      ``p``, in the wider of the two dtypes (the memory's precision; the caller sends it
+      cast to the update's dtype).
+    """
+    return update + error
+
+
+def ef_error(message: jax.Array, sent: Exchanged) -> jax.Array:
+    """An error-feedback worker's new memory: what its message lost, ``e <- p - C(p)``.
+
+    Args:
+      message: ``p``, :func:`ef_message`'s (before any cast to the sent dtype).
+      sent: the exchange of ``p``; its ``local`` is this worker's decoded message ``C(p)``.
+
+    Returns:
+      ``p - C(p)`` (:meth:`compjax.exchange.Exchanged.residual`: a sparse message
+      subtracts its entries, with no dense decode).
+    """
+    return sent.residual(message)
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -84,47 +100,27 @@ def error_feedback(
         under ``jax_enable_x64``, whose gradients must still be at most
         float32); messages and updates keep the gradient's dtype.
 
+    Returns:
+      An ``optax.GradientTransformation`` whose update is the mean over workers of the
+      decoded messages ``C(g_i + e_i)`` (its state an :class:`ErrorFeedbackState`).
+
     Raises:
-      ValueError: ``bucket_size`` or ``state_dtype`` invalid.
+      ValueError: ``bucket_size``, ``state_dtype`` or ``exchange`` invalid.
 
     References:
       Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
       Compression Schemes", ICML 2019.
     """
 
-    state_dtype = check_state_dtype(state_dtype)
-    server = ServerMemory(comp, exchange, state_dtype)
+    sc = exchanged(
+        ErrorFeedbackState, comp, axis_name, flatten, bucket_size, seed, exchange, state_dtype
+    )
 
-    check_grouping(flatten, bucket_size)
+    def step(leaf: Leaf) -> LeafStep:
+        (error,) = leaf.state
+        p = ef_message(leaf.update, error)  # in the state's precision; sent in the update's
+        x = p.astype(leaf.update.dtype)
+        sent = compressed_mean(comp, leaf.key, x, axis_name, exchange, leaf.memory)
+        return LeafStep(sent.mean, (ef_error(p, sent),), sent.memory, sent.finite)
 
-    def init_fn(params):
-        leaves = Leaves(params, flatten, bucket_size)
-        return ErrorFeedbackState(
-            key=init_key(seed),
-            error=leaves.worker_state(state_zeros(state_dtype)),
-            server_error=server.init(leaves),
-        )
-
-    def update_fn(updates, state, params=None):
-        leaves = Leaves(updates, flatten, bucket_size)
-        bad = any_non_finite(leaves.arrays, axis_name)
-        errors = leaves.read(state.error, "error", per_worker=True)
-        memories = server.read(leaves, state.server_error)
-        key, keys = step_keys(state.key, len(leaves.arrays))
-        out, new_errors, new_memories, finite = [], [], [], []
-        for k, g, e, m in zip(keys, leaves.arrays, errors, memories, strict=True):
-            p = g + e  # in the state's precision; sent in the gradient's dtype
-            sent = compressed_mean(comp, k, p.astype(g.dtype), axis_name, exchange, m)
-            out.append(sent.mean)
-            finite.append(sent.finite)
-            new_errors.append(sent.residual(p))
-            new_memories.append(sent.memory)
-        new_state = ErrorFeedbackState(
-            key=key,
-            error=leaves.write(cast_like(new_errors, errors), per_worker=True),
-            server_error=server.write(leaves, new_memories, memories),
-        )
-        out, new_state = guarded(bad, out, new_state, state, finite)
-        return leaves.rebuild(out), new_state
-
-    return optax.GradientTransformation(init_fn, counted(update_fn))
+    return leafwise(sc, step)
