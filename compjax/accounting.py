@@ -126,7 +126,8 @@ class CommunicationReport(NamedTuple):
 
     @property
     def fast_gather_bits(self) -> float:
-        """Bits of :attr:`gather_bits` over the fast axis (:mod:`compjax.steps.hpz`; 0 on one axis)."""
+        """Bits of :attr:`gather_bits` over the fast axis (:mod:`compjax.steps.hpz`; 0 on one
+        axis)."""
         return sum(b for kind, b in self.messages if kind == FAST_PREFIX + GATHER_KIND)
 
     @property
