@@ -16,7 +16,6 @@ packages: :mod:`compjax.compressors`, :mod:`compjax.exchange`,
 
 from compjax import _moved, collectives, dct, exchange, hadamard, merges
 from compjax.accounting import CommunicationReport, communication
-from compjax.collectives import worker_params
 from compjax.compressor import Compressor
 from compjax.compressors.atomo import atomo, atomo_svd
 from compjax.compressors.chunked import chunked_top_k
@@ -48,7 +47,6 @@ from compjax.steps.data_parallel import DataParallel, data_parallel
 from compjax.steps.fsdp import fsdp, fsdp_specs
 from compjax.steps.fsdp_state import FSDP, FSDPState
 from compjax.steps.local_steps import LocalSteps, local_steps
-from compjax.transforms.base import state_specs
 from compjax.transforms.compress import CompressState, compress
 from compjax.transforms.demo import DeMoState, demo, scale_by_demo
 from compjax.transforms.dgc import DGCState, dgc
@@ -61,6 +59,7 @@ from compjax.transforms.padded_sparse import real_bits_sent
 from compjax.transforms.powersgd import PowerSGDState, powersgd
 from compjax.transforms.sign_vote import SignVoteState, sign_majority_vote
 from compjax.transforms.sparseloco import sparseloco
+from compjax.transforms.specs import state_specs
 from compjax.transforms.streaming_diloco import StreamingDiLoCoState, streaming_diloco
 from compjax.transforms.strom import StromState, strom_threshold
 from compjax.transforms.terngrad_allreduce import TernGradState, terngrad_allreduce
@@ -71,6 +70,7 @@ from compjax.transforms.zero_one_adam import (
     zero_one_adam,
 )
 from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
+from compjax.worker_local import worker_params
 
 _moved.install(shadowed=("compjax.auto", "compjax.local_steps"))
 

@@ -2,7 +2,7 @@
 
 The transformation's update is traced abstractly (``jax.eval_shape``, nothing
 runs) under ``jax.vmap`` with the axis names bound, while
-:func:`compjax.collectives.recording` logs every message each worker puts
+:func:`compjax.recording.recording` logs every message each worker puts
 into a collective: payloads with their scales and indices, integer votes,
 shared scalers, flags, each with its wire bits (from the arrays themselves),
 the collective that carries it and the axes it crosses.
@@ -37,8 +37,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from compjax import collectives
-from compjax.collectives import AxisName, _names, recording
+from compjax.axes import AxisName, UnboundAxisError
+from compjax.collectives import _names
+from compjax.recording import recording
 
 #: Kinds of the messages a hierarchical exchange sends over its fast axis.
 FAST_PREFIX = "fast_"
@@ -337,7 +338,7 @@ def communication(
         step = jax.vmap(step, axis_name=name)
     try:
         log = _traced(step, batched, isolate=any(map(_bound, names)))
-    except collectives.UnboundAxisError as err:
+    except UnboundAxisError as err:
         if err.axis in names:
             raise
         raise ValueError(

@@ -38,22 +38,12 @@ import jax
 import jax.numpy as jnp
 
 from compjax import packing
-from compjax.axes import AxisName as AxisName
-from compjax.axes import UnboundAxisError as UnboundAxisError
+from compjax.axes import AxisName, num_workers, worker_index
 from compjax.axes import axis_names as _names
 from compjax.axes import bound_names as _bound_names
 from compjax.axes import gather_target as _gather_target
-from compjax.axes import num_workers as num_workers
 from compjax.axes import varying as _varying
-from compjax.axes import worker_index as worker_index
-from compjax.recording import ROUTES as ROUTES
-from compjax.recording import exchange_round as exchange_round
-from compjax.recording import record as record
-from compjax.recording import recording as recording
-from compjax.recording import unrecorded as unrecorded
-from compjax.worker_local import check_local_loss as check_local_loss
-from compjax.worker_local import check_worker_local as check_worker_local
-from compjax.worker_local import worker_params as worker_params
+from compjax.recording import record
 
 
 def worker_key(key: jax.Array, axis_name: AxisName) -> jax.Array:

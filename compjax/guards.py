@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from compjax import numerics
-from compjax.collectives import any_worker, check_worker_local, record, unrecorded
+from compjax.collectives import any_worker
 from compjax.compressor import check_float32_range
+from compjax.recording import record, unrecorded
+from compjax.worker_local import check_worker_local
 
 
 def saturated(x: jax.Array, dtype=None) -> jax.Array:

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 
 import compjax
+from compjax.draws import step_keys
 from compjax.steps.param_gather import dequantize_blocks, quantize_blocks
-from compjax.transforms.base import step_keys
 
 P = jax.P
 H, L = 2, 4

@@ -100,7 +100,7 @@ def test_mean_is_the_integer_sum_and_bits_are_the_words():
     # Every worker's own decode sits on the shared grid {-7..7} * max / 7.
     steps = np.asarray(local) * 7 / float(jnp.max(jnp.abs(xs)))
     np.testing.assert_allclose(steps, np.round(steps), atol=1e-4)
-    with compjax.collectives.recording() as log:
+    with compjax.recording.recording() as log:
         jax.make_jaxpr(jax.vmap(lambda x: compressed_mean(COMP, jax.random.key(0), x, "d").mean,
                                 axis_name="d"))(xs)  # fmt: skip
     sent = {what: bits for _, round_ in log for what, bits in round_}
@@ -239,7 +239,7 @@ def test_rotate_exchange_shares_the_rotation():
     err = np.sum((means - target) ** 2, axis=1)
     bound = compjax.int_quant_mean_omega(d, 4, N, rotate=True) * float(np.sum(np.square(xs)))
     assert err.mean() + 5 * err.std(ddof=1) / np.sqrt(len(err)) <= bound
-    with compjax.collectives.recording() as log:
+    with compjax.recording.recording() as log:
         jax.make_jaxpr(jax.vmap(lambda x: compressed_mean(ROT, jax.random.key(0), x, "d").mean,
                                 axis_name="d"))(xs)  # fmt: skip
     sent = {what: bits for _, round_ in log for what, bits in round_}

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import compjax
-from compjax.draws import counter_bits
+from compjax.draws import counter_bits, init_key, step_keys
 from compjax.exchange import compressed_mean
 from compjax.pieces import Pieces, spans, split
-from compjax.transforms.base import Leaves, init_key, step_keys
+from compjax.transforms.base import Leaves
 from compjax.transforms.buckets import Buckets
 
 # Sizes 15, 7, 24, 1, 13, 36, 33, 2, 50, 3: 184 entries, odd offsets everywhere.

@@ -15,9 +15,9 @@ import jax
 import numpy as np
 
 from compjax.accounting import communication
-from compjax.collectives import recording
 from compjax.dad.capture import LossFn
 from compjax.dad.exchange import dad_grads, rank_dad_grads
+from compjax.recording import recording
 from compjax.transforms.powersgd import powersgd
 
 

@@ -48,7 +48,8 @@ from flax import nnx
 from flax.core import tracers
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from compjax.collectives import AxisName, worker_params
+from compjax.axes import AxisName
+from compjax.worker_local import worker_params
 
 LossFn = Callable[[Any, Any], Any]
 

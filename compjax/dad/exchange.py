@@ -13,17 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.collectives import (
-    AxisName,
-    all_gather,
-    num_workers,
-    pmax,
-    psum,
-    record,
-)
+from compjax.axes import AxisName, num_workers
+from compjax.collectives import all_gather, pmax, psum
 from compjax.compressor import Compressor
 from compjax.dad.capture import Captured, Layer, LossFn, capture, discover, group_layers
 from compjax.exchange import compressed_mean
+from compjax.recording import record
 
 _F32 = jnp.float32
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import collectives
-from compjax.collectives import AxisName, num_workers, record, worker_index
+from compjax.axes import AxisName, num_workers, worker_index
 from compjax.compressor import Compressor
 from compjax.exchange.flat import (
     Sum,
@@ -40,6 +40,7 @@ from compjax.exchange.two_level import hierarchical_sum
 from compjax.numerics import to_dtype
 from compjax.payload import Payload
 from compjax.pieces import Pieces, split
+from compjax.recording import record
 
 KINDS = ("all_gather", "scatter_gather")
 

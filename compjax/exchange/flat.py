@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 
 from compjax import collectives
-from compjax.collectives import record, worker_index
+from compjax.axes import worker_index
 from compjax.compressor import Compressor
 from compjax.exchange.scatter import (
     block_of,
@@ -66,6 +66,7 @@ from compjax.exchange.scatter import (
 from compjax.numerics import prescale, to_dtype
 from compjax.payload import Payload
 from compjax.pieces import Pieces
+from compjax.recording import record
 
 #: ``(total, resum, finish)``: the float32 sum over workers; ``resum(scale)``, the same
 #: sum of every worker's message times ``scale``; ``finish(mean, finite)``, the mean (and

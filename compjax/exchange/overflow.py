@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from compjax import collectives, numerics
+from compjax import numerics, recording
 from compjax.numerics import prescale
 
 #: Extra binades of headroom when a whole exchange is run again pre-scaled: a lossy
@@ -73,7 +73,7 @@ def mean_without_overflow(total: jax.Array, resum, n: int) -> tuple[jax.Array, j
 
     def again(carried):
         (total,) = carried
-        with collectives.unrecorded():
+        with recording.unrecorded():
             rescaled = numerics.to_dtype(scaled_back(resum(down), up), total.dtype)
         return (jnp.where(jnp.isfinite(total), total / n, rescaled),)
 
@@ -131,7 +131,7 @@ def rescaled_if_overflow(run, x: jax.Array, memory, n: int):
     down, up = prescale(n, HEADROOM if wide else 0)
 
     def again(_):
-        with collectives.unrecorded():
+        with recording.unrecorded():
             ms = None if memory is None else memory * jnp.asarray(down, memory.dtype)
             t, lo, m = run(x * jnp.asarray(down, x.dtype), ms)
         scale = 1.0 / down

@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax import collectives
-from compjax.collectives import record, worker_index
+from compjax import axes, collectives
+from compjax.axes import worker_index
 from compjax.compressor import Compressor
 from compjax.payload import Payload
+from compjax.recording import record
 
 #: Workers' messages decoded per iteration of the summing loop.
 UNROLL_WORKERS = 8
@@ -201,7 +202,7 @@ def shared_scales(comp: Compressor, keys, xs: list[jax.Array], axis_name):
     :func:`compressed_reduce_scatter`'s ``scale``.
     """
     names = collectives._names(axis_name)
-    n = collectives.num_workers(axis_name)
+    n = axes.num_workers(axis_name)
     sized = [i for i, x in enumerate(xs) if x.size]
     if not summable(comp) or n == 1 or not sized:
         return None

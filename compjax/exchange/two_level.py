@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 
 from compjax import collectives
-from compjax.collectives import num_workers, record, worker_index
+from compjax.axes import num_workers, worker_index
 from compjax.exchange.flat import gathered_sum, in_shape_of, scatter_gathered, single, summed_codes
 from compjax.exchange.scatter import block_of, padded_to, placed_block, summable
+from compjax.recording import record
 
 
 def hierarchical_sum(comp, key, x, memory, slow, fast, kind):

@@ -19,9 +19,9 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from compjax.collectives import check_local_loss, worker_params
 from compjax.steps.scaffold import check_axis, mapped_init, mapped_step
-from compjax.transforms.base import state_specs
+from compjax.transforms.specs import state_specs
+from compjax.worker_local import check_local_loss, worker_params
 
 
 class DataParallel(NamedTuple):

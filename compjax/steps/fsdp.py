@@ -45,10 +45,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import any_worker, check_local_loss, unrecorded, worker_params
+from compjax.collectives import any_worker
 from compjax.compressor import Compressor
 from compjax.draws import init_key
 from compjax.guards import all_finite
+from compjax.recording import unrecorded
 from compjax.steps.fsdp_exchange import Reduced, gather_all, reduce_all
 from compjax.steps.fsdp_layout import (
     fsdp_specs,  # noqa: F401  (compjax.fsdp_specs)
@@ -63,6 +64,7 @@ from compjax.steps.fsdp_plan import (
 )
 from compjax.steps.fsdp_state import FSDP, FSDPState
 from compjax.steps.scaffold import is_spec, mapped_init, mapped_step, placed
+from compjax.worker_local import check_local_loss, worker_params
 
 P = jax.P
 

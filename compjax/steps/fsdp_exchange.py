@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from compjax import collectives
-from compjax.collectives import record, worker_index
+from compjax.axes import worker_index
 from compjax.draws import step_keys
 from compjax.exchange import Exchanged, compressed_reduce_scatter
 from compjax.exchange.scatter import shared_scales
 from compjax.guards import Check, any_non_finite
+from compjax.recording import record
 from compjax.steps import hpz
 from compjax.steps.fsdp_layout import owned_part, without_padding
 from compjax.steps.fsdp_plan import Plan

@@ -51,7 +51,8 @@ import jax
 import jax.numpy as jnp
 
 from compjax import collectives
-from compjax.collectives import num_workers, record
+from compjax.axes import num_workers
+from compjax.recording import record
 
 #: Kind of the fast axis's parameter all-gather (its slow stage is ``"param_gather"``).
 FAST_GATHER_KIND = "fast_param_gather"

@@ -19,12 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax.collectives import check_local_loss, num_workers, psum
+from compjax.axes import num_workers
+from compjax.collectives import psum
 from compjax.guards import all_finite
 from compjax.steps.scaffold import check_axis, mapped_init, mapped_step, placed
-from compjax.transforms.base import state_specs
 from compjax.transforms.diloco import worker_copies
 from compjax.transforms.per_worker_params import check_params_dtype
+from compjax.transforms.specs import state_specs
+from compjax.worker_local import check_local_loss
 
 
 class LocalSteps(NamedTuple):

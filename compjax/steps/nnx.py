@@ -41,8 +41,9 @@ import jax
 import optax
 from flax import nnx
 
-from compjax.collectives import AxisName, check_local_loss, worker_params
-from compjax.transforms.base import NNX_SPEC, state_specs
+from compjax.axes import AxisName
+from compjax.transforms.specs import NNX_SPEC, state_specs
+from compjax.worker_local import check_local_loss, worker_params
 
 
 def optimizer(

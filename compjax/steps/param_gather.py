@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from compjax import collectives
-from compjax.collectives import record
 from compjax.numerics import to_dtype
+from compjax.recording import record
 
 #: Parameter gathers other than the exact float32 one (see :func:`fsdp`'s ``gather``).
 GATHERS = ("int8", "bfloat16", "float16", "float8_e4m3fn")

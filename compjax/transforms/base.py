@@ -41,20 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from compjax.collectives import exchange_round
-from compjax.draws import init_key as init_key
-from compjax.draws import step_keys as step_keys
 from compjax.exchange import keeps_memory
-from compjax.guards import Check as Check
-from compjax.guards import all_finite as all_finite
-from compjax.guards import any_non_finite as any_non_finite
-from compjax.guards import guarded as guarded
-from compjax.guards import saturated as saturated
+from compjax.recording import exchange_round
 from compjax.transforms.buckets import Buckets
-from compjax.transforms.specs import NNX_SPEC as NNX_SPEC
-from compjax.transforms.specs import is_marked as is_marked
 from compjax.transforms.specs import spec_axes
-from compjax.transforms.specs import state_specs as state_specs
 
 
 def counted(update_fn: Callable) -> Callable:

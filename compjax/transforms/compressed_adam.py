@@ -27,20 +27,15 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from compjax.collectives import AxisName, unrecorded
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
 from compjax.compressors.l2_sign import l2_scaled_sign
+from compjax.draws import init_key, step_keys
 from compjax.exchange import Exchange, as_exchange, compressed_mean
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    guarded,
-    init_key,
-    saturated,
-    step_keys,
-)
+from compjax.guards import any_non_finite, guarded, saturated
+from compjax.recording import unrecorded
+from compjax.transforms.base import Leaves, ServerMemory
 
 
 def _is_number(x) -> bool:

@@ -41,10 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import collectives, dct
-from compjax.collectives import AxisName
+from compjax import axes, dct, recording
+from compjax.axes import AxisName
+from compjax.guards import saturated
 from compjax.payload import Payload
-from compjax.transforms.base import saturated
 from compjax.transforms.padded_sparse import gather
 from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold
 
@@ -134,7 +134,7 @@ def _leaf(g, delta, plan: _Plan, decay: float, sign: bool, axis_name: AxisName, 
         side={},
         meta=(g.shape, g.dtype),
     )
-    collectives.record("payload", payload, "all_gather", axis_name)
+    recording.record("payload", payload, "all_gather", axis_name)
     # What was sent leaves the momentum (as sent: a rounding stays in delta).
     mine, _ = _scatter(plan, idx, values.astype(delta.dtype))
     sent = dct.from_blocks(_scaled(dct.idct2, mine)).reshape(g.shape)
@@ -161,7 +161,7 @@ def _step(leaf: Leaf, chunk: int, topk: int, decay: float, sign: bool, axis_name
     if g.size == 0:
         return LeafStep(g, (delta,))
     plan = _plan(g.shape, chunk, topk)
-    out, delta = _leaf(g, delta, plan, decay, sign, axis_name, collectives.num_workers(axis_name))
+    out, delta = _leaf(g, delta, plan, decay, sign, axis_name, axes.num_workers(axis_name))
     return LeafStep(out, (delta,))
 
 

@@ -104,18 +104,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressors.selection import check_band
 from compjax.compressors.sparse import top_k
 from compjax.exchange import Exchange, as_exchange
+from compjax.guards import any_non_finite, guarded
 from compjax.transforms.base import (
     Leaves,
     ServerMemory,
-    any_non_finite,
     cast_like,
     check_state_dtype,
     counted,
-    guarded,
     state_zeros,
 )
 from compjax.transforms.dgc_step import Options, step_leaves

@@ -22,8 +22,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from compjax import collectives
-from compjax.collectives import AxisName
+from compjax import axes, collectives, recording
+from compjax.axes import AxisName
 from compjax.compressor import safe_norm
 from compjax.compressors.selection import (
     Selection,
@@ -91,7 +91,7 @@ def dense_leaf(g, u, opts: Options, n: int):
     """
     u, v = accumulate(g, u, jnp.zeros_like(g), opts)
     v = v.astype(g.dtype)  # sent in the gradient's dtype
-    collectives.record("dense", v, "all_reduce", opts.axis_name)
+    recording.record("dense", v, "all_reduce", opts.axis_name)
     if opts.axis_name is None:
         return v, u
 
@@ -134,7 +134,7 @@ def sparse_leaf(v, u, ratio, step, opts: Options, n: int, wire_dtype):
     payload = Payload(
         wire={"indices": sel.indices, "values": values}, side={}, meta=(v.shape, wire_dtype)
     )
-    collectives.record("payload", payload, "all_gather", opts.axis_name)
+    recording.record("payload", payload, "all_gather", opts.axis_name)
     wire = gather(payload, opts.axis_name).wire
     indices, sent = wire["indices"].reshape(-1), wire["values"].reshape(-1).astype(jnp.float32)
 
@@ -205,7 +205,7 @@ def exchange_sparse(vs, us, memories, step, opts: Options, n: int, wire_dtypes):
 
     def branch(ratio, record):
         def run(vs, us, memories):
-            with contextlib.nullcontext() if record else collectives.unrecorded():
+            with contextlib.nullcontext() if record else recording.unrecorded():
                 rows = zip(vs, us, memories, wire_dtypes, strict=True)
                 outs = [one(ratio, *a) for a in rows]
             return tuple(list(t) for t in zip(*outs, strict=True)) if outs else ([],) * 4
@@ -235,7 +235,7 @@ def step_leaves(arrays, us, vs, memories, step, opts: Options):
     Returns:
       ``(updates, us, vs, memories)``, one list each, in leaf order.
     """
-    n = collectives.num_workers(opts.axis_name)
+    n = axes.num_workers(opts.axis_name)
     out, new_us, new_vs, new_ms = [None] * len(vs), list(us), list(vs), list(memories)
     sparse = []
     for i, g in enumerate(arrays):

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange, Exchanged, compressed_mean
 from compjax.transforms.scaffold import Leaf, LeafStep, exchanged, leafwise

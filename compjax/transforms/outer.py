@@ -33,20 +33,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
+from compjax.draws import init_key, step_keys
 from compjax.exchange import Exchange
-from compjax.transforms.base import (
-    Leaves,
-    ServerMemory,
-    any_non_finite,
-    cast_like,
-    guarded,
-    init_key,
-    state_zeros,
-    step_keys,
-)
+from compjax.guards import any_non_finite, guarded
+from compjax.transforms.base import Leaves, ServerMemory, cast_like, state_zeros
 from compjax.transforms.per_worker_params import check_params_dtype
 
 #: ``send(key, p, memory) -> (mean, residual, memory)``: one leaf's pseudo-gradient ``p``

@@ -10,7 +10,7 @@ Wire format.  A sparse message has a variable length, but ``all_gather``
 needs a static shape: every message is padded to a fixed number of *slots*
 (``budget``).  Each slot holds an int32 index (``d``, one past the end, in an
 unused slot, dropped when decoding) and a small code; the static accounting
-(:func:`compjax.communication`, :func:`compjax.collectives.record`) counts the
+(:func:`compjax.communication`, :func:`compjax.recording.record`) counts the
 padded message, and each state keeps an exact runtime counter of the *real*
 bits (the used slots only) that :func:`real_bits_sent` reads.  States with
 such a counter (a ``bits_sent`` field) set ``COUNTS_BITS = True``.
@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from compjax.collectives import AxisName, all_gather, num_workers, record
+from compjax.axes import AxisName, num_workers
+from compjax.collectives import all_gather
 from compjax.payload import Payload
+from compjax.recording import record
 
 #: Bits of one index on the wire (int32).
 INDEX_BITS = 32

@@ -23,17 +23,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, num_workers
-from compjax.transforms.base import (
-    Leaves,
-    all_finite,
-    any_non_finite,
-    check_state_dtype,
-    counted,
-    guarded,
-    init_key,
-    state_zeros,
-)
+from compjax.axes import AxisName, num_workers
+from compjax.draws import init_key
+from compjax.guards import all_finite, any_non_finite, guarded
+from compjax.transforms.base import Leaves, check_state_dtype, counted, state_zeros
 from compjax.transforms.powersgd_step import (
     Options,
     compressed_step,

@@ -23,10 +23,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from compjax.collectives import AxisName, pmax, psum, psum_together, record, unrecorded
+from compjax.axes import AxisName
+from compjax.collectives import pmax, psum, psum_together
 from compjax.exchange.overflow import mean_without_overflow
+from compjax.guards import all_finite, saturated
 from compjax.numerics import exponent, ldexp, to_dtype, unit_scale
-from compjax.transforms.base import all_finite, saturated
+from compjax.recording import record, unrecorded
 
 
 class Options(NamedTuple):

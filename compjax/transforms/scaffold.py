@@ -42,22 +42,19 @@ import jax
 import numpy as np
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
+from compjax.draws import init_key, step_keys
 from compjax.exchange import Exchange
+from compjax.guards import Check, any_non_finite, guarded
 from compjax.transforms.base import (
-    Check,
     Leaves,
     ServerMemory,
-    any_non_finite,
     cast_like,
     check_grouping,
     check_state_dtype,
     counted,
-    guarded,
-    init_key,
     state_zeros,
-    step_keys,
 )
 from compjax.transforms.padded_sparse import add_bits, new_counter
 

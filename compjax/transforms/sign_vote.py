@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 import optax
 
-from compjax.collectives import AxisName, sign_vote
+from compjax.axes import AxisName
+from compjax.collectives import sign_vote
 from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold
 
 _VIA = ("all_gather", "psum", "scatter_gather")

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import collectives, merges
-from compjax.collectives import AxisName
+from compjax import collectives, merges, recording
+from compjax.axes import AxisName
 from compjax.compressors.chunked import ChunkedTopK, chunk_layout, chunked_top_k
 from compjax.exchange import Exchange, as_exchange
 from compjax.transforms.base import ServerMemory, counted
@@ -195,7 +195,7 @@ class MergedSend:
     def __call__(self, key: jax.Array, p: jax.Array, memory: None) -> tuple:
         comp = self.vector if is_vector(p.shape) else self.matrix
         payload = comp.compress(collectives.worker_key(key, self.axis_name), p)
-        collectives.record("payload", payload, "all_gather", self.axis_name)
+        recording.record("payload", payload, "all_gather", self.axis_name)
         gathered = collectives.all_gather(payload, self.axis_name)
         decoded = jax.vmap(comp.decompress)(gathered).reshape(-1, p.size)
         sent = jax.vmap(functools.partial(_sent, comp, n=p.size))(gathered.wire)

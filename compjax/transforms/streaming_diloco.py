@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange, as_exchange, compressed_mean
 from compjax.transforms.base import ServerMemory, counted

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 from compjax import packing
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.payload import Payload
 from compjax.transforms.padded_sparse import (
     INDEX_BITS,

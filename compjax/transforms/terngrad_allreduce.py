@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName, shared_max, ternary_mean, worker_key
+from compjax.axes import AxisName
+from compjax.collectives import shared_max, ternary_mean, worker_key
 from compjax.compressors.terngrad import clip_to_std, ternarize, ternary_values, terngrad
 from compjax.exchange import compressed_mean
 from compjax.transforms.scaffold import Leaf, LeafStep, leafwise, scaffold

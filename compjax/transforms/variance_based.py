@@ -79,10 +79,11 @@ import numpy as np
 import optax
 
 from compjax import packing
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
+from compjax.guards import any_non_finite, saturated
 from compjax.payload import Payload
 from compjax.transforms import padded_sparse as sparse
-from compjax.transforms.base import Leaves, any_non_finite, counted, saturated
+from compjax.transforms.base import Leaves, counted
 from compjax.transforms.scaffold import Leaf, LeafStep, Scaffold, begin, end, init, scaffold
 
 #: Bits of one variance-based code: a sign bit and a 3-bit exponent offset.

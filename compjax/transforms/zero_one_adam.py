@@ -72,7 +72,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange
 from compjax.transforms.base import check_grouping, counted

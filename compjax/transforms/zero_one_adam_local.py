@@ -75,20 +75,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax.collectives import AxisName
+from compjax.axes import AxisName
 from compjax.compressor import Compressor
+from compjax.draws import step_keys
 from compjax.exchange import Exchange
-from compjax.transforms.base import (
-    Leaves,
-    all_finite,
-    any_non_finite,
-    cast_like,
-    check_grouping,
-    counted,
-    guarded,
-    state_zeros,
-    step_keys,
-)
+from compjax.guards import all_finite, any_non_finite, guarded
+from compjax.transforms.base import Leaves, cast_like, check_grouping, counted, state_zeros
 from compjax.transforms.compressed_adam import (
     Adam,
     branches,

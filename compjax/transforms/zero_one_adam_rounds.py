@@ -21,7 +21,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from compjax.collectives import worker_params
 from compjax.transforms.compressed_adam import (
     Adam,
     compensated_means,
@@ -29,6 +28,7 @@ from compjax.transforms.compressed_adam import (
     gradient_branch,
     momenta,
 )
+from compjax.worker_local import worker_params
 
 
 class Round(NamedTuple):

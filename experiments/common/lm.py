@@ -33,7 +33,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 import compjax
-from compjax import collectives
+from compjax import axes, collectives, recording
 from compjax.compressor import Compressor, to_dtype
 
 
@@ -152,13 +152,13 @@ def bf16_allreduce(axis_name) -> optax.GradientTransformation:
     def update(updates, state, params=None):
         del params
         flat, unravel = ravel_pytree(updates)
-        d, n = flat.size, collectives.num_workers(axis_name)
+        d, n = flat.size, axes.num_workers(axis_name)
         m = -(-d // n)
         shards = as_bits(jnp.pad(flat.astype(jnp.bfloat16), (0, n * m - d)).reshape(n, m))
-        collectives.record("scatter", shards, "all_to_all", axis_name)
+        recording.record("scatter", shards, "all_to_all", axis_name)
         received = as_bf16(collectives.all_to_all(shards, axis_name))
         own = as_bits(jnp.sum(received.astype(jnp.float32), axis=0).astype(jnp.bfloat16))
-        collectives.record("gather", own, "all_gather", axis_name)
+        recording.record("gather", own, "all_gather", axis_name)
         total = as_bf16(collectives.all_gather_tiled(own, axis_name)[:d])
         return unravel(total.astype(flat.dtype) / n), state
 

@@ -106,7 +106,7 @@ GRADIENTS = ("dense", "dad", "rank_dad")
 # harness's sgd(lr) after it makes it optax.adam(lr).
 ADAM = "adam"
 
-# Message kinds (see compjax.collectives.record) that always travel by all-reduce.
+# Message kinds (see compjax.recording.record) that always travel by all-reduce.
 _REDUCED = frozenset({"dense", "flag", "scale", "scaler", "votes", "ternaries", "ranks"})
 
 

@@ -19,7 +19,7 @@ import optax
 
 import compjax
 from compjax import costmodel
-from compjax.collectives import recording
+from compjax.recording import recording
 from experiments.common import data, methods, models
 from experiments.harness import tasks
 from experiments.harness.config import Config
@@ -245,7 +245,7 @@ class Problem:
 
 
 def _worker(axis):
-    return compjax.collectives.worker_index(axis)
+    return compjax.axes.worker_index(axis)
 
 
 def _counted(node) -> bool:
