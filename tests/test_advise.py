@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from compjax import advise, costmodel
+from compjax.advise import advisor, codec_timing, report
 from compjax.advise import cli as advise_cli
-from compjax.advise import codec_timing, report
 from compjax.advise import fsdp as advise_fsdp
 
 
@@ -61,7 +61,7 @@ def test_steps_are_compute_plus_codec_plus_the_cost_models_time():
 
 
 def _cost_messages(a):
-    return [(advise.COLLECTIVES[via], b) for (via, _), b in a.routes.items()]
+    return [(advisor.COLLECTIVES[via], b) for (via, _), b in a.routes.items()]
 
 
 @pytest.mark.slow  # the cost model's rule is tested fast in test_bench_net

@@ -11,8 +11,6 @@ The package, top to bottom:
 """
 
 from compjax.advise.advisor import (
-    AXIS,
-    COLLECTIVES,
     advise,
     as_params,
     crossover,
@@ -20,11 +18,9 @@ from compjax.advise.advisor import (
     methods,
 )
 
-#: The advisor's own names; the report's, the FSDP mode's and the command line's are under
-#: their modules.
+#: The advisor's own functions; its constants (``AXIS``, ``COLLECTIVES``), the report's, the
+#: FSDP mode's and the command line's names are under their modules.
 __all__ = [
-    "AXIS",
-    "COLLECTIVES",
     "advise",
     "as_params",
     "crossover",

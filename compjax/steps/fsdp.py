@@ -354,7 +354,7 @@ def step(plan: Plan, mapped: Callable, p: Any, state: FSDPState, *batch: Any):
     Args:
       plan: the step's plan.
       mapped: :func:`local_step` mapped over the mesh (:func:`compjax.steps.scaffold.mapped_step`).
-      p, state, *batch: the step's inputs.
+      p: the params; ``state`` and ``batch`` the step's other inputs.
 
     Returns:
       ``(params, state, loss)``.

@@ -179,8 +179,9 @@ def build_plan(
     """The :class:`Plan` of :func:`compjax.fsdp` (its arguments checked).
 
     Args:
-      loss_fn, opt, params, mesh, axis_name, compressor, feedback, gather, gather_block,
-        min_size, seed: :func:`compjax.fsdp`'s.
+      loss_fn: as :func:`compjax.fsdp` takes it; likewise ``opt``, ``params``, ``mesh``,
+        ``axis_name``, ``compressor``, ``feedback``, ``gather``, ``gather_block``,
+        ``min_size`` and ``seed``.
 
     Returns:
       The :class:`Plan`.
