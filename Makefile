@@ -18,7 +18,7 @@ PIP = $(shell $(PYTHON) -m pip --version >/dev/null 2>&1 \
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv --without-pip $(VENV)
 	$(PYTHON) -m pip --version >/dev/null 2>&1 || $(PY) -m ensurepip -q
-	$(PIP) install -q --no-compile -e '.[dev,experiments]'
+	$(PIP) install -q --no-compile -e '.[dev,experiments,elastic]'
 	touch $(STAMP)
 
 # Sphinx and its theme, for make docs and the docs build of make test-slow.
