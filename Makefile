@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow test-peers proofs bench bench-net bench-gpu bench-e2e lint format figures readme-table docs clean
+.PHONY: test test-slow test-peers proofs bench bench-net bench-gpu bench-e2e bench-elastic lint format figures readme-table docs clean
 
 # Python writes the bytecode of the modules it imports as it first imports them, rather than
 # pip compiling every installed module up front (half of a fresh install's 40 s).
@@ -68,6 +68,14 @@ bench-gpu: $(STAMP)
 ## dense bf16 and two methods, one seed; ARGS=--resume: reuse the timed runs results/ holds.
 bench-e2e: $(STAMP)
 	$(PY) -m experiments.e2e.run $(ARGS)
+
+## make bench-elastic: elastic DiLoCo on Ray (4 islands) under a kill with restart, a 3x
+## straggler, a poisoned island and a killed synchronizer, against lock-step compjax.diloco
+## under jax.distributed with the same kill, on a loopback limited to 0.1 Gbit/s (as root);
+## writes results/bench_elastic.{json,md,png}.  ARGS=--quick: 8 rounds, clean and the kill;
+## ARGS=--resume: reuse the runs results/bench_elastic_runs/ holds.
+bench-elastic: $(STAMP)
+	$(PY) -m experiments.elastic.run $(ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .
