@@ -76,6 +76,7 @@ def slow_batches(island, step):
 SCENARIOS = {
     "clean": dict(),
     "clean_2dev": dict(island_devices=2),
+    "fsdp_2dev": dict(island_devices=2, island_step="fsdp"),
     "kill_sync": dict(faults=(ce.KillSynchronizer(2),)),
     "kill_restart": dict(
         batches=slow_batches,

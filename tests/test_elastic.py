@@ -282,6 +282,7 @@ def no_ray_in_this_process(monkeypatch):
         (dict(sync_every=0), "sync_every must be a positive integer"),
         (dict(timeout_s=0.0), "timeout_s must be"),
         (dict(island_devices=0), "island_devices must be"),
+        (dict(island_step="pmap"), "island_step must be"),
         (dict(faults=(ce.Kill(5, 0),)), "island must be < islands"),
         (dict(error_feedback=True), "error_feedback=True needs a compressor"),
     ],
@@ -300,7 +301,7 @@ def test_float64_params_are_refused():
 # -- real runs on Ray ----------------------------------------------------------------------------
 FAST = ["clean", "kill_sync", "kill_restart", "poison_mean", "poison_clip", "nan_push", "raises",
         "stuck"]  # fmt: skip
-SLOW = ["clean_2dev", "int8"]
+SLOW = ["clean_2dev", "fsdp_2dev", "int8"]
 
 
 def in_namespace(argv: list[str]) -> subprocess.CompletedProcess:
@@ -408,11 +409,11 @@ def test_a_round_that_cannot_merge_times_out_with_a_clear_error(runs):
 @pytest.mark.slow
 def test_multi_device_islands_and_compressed_trimmed_merges(tmp_path_factory):
     slow = ray_runs(tmp_path_factory, SLOW)
-    two = slow["clean_2dev"]
-    assert {r["devices"] for r in two["islands"]} == {2}
     reference = diloco_under_vmap()
-    for name, value in params_of(two).items():
-        np.testing.assert_allclose(value, reference[name], rtol=1e-4, atol=1e-5)
+    for two in (slow["clean_2dev"], slow["fsdp_2dev"]):
+        assert {r["devices"] for r in two["islands"]} == {2}
+        for name, value in params_of(two).items():
+            np.testing.assert_allclose(value, reference[name], rtol=1e-4, atol=1e-5)
     int8 = slow["int8"]
     assert all(r["bits"] < 32 * sum(a.size for a in jax.tree.leaves(ew.PARAMS)) * ew.ISLANDS / 3
                for r in int8["history"])  # fmt: skip

@@ -59,7 +59,9 @@ class ElasticResult(NamedTuple):
     islands: list[dict]
 
 
-def _check_arguments(params, islands, min_quorum, grace_s, merge, island_devices, timeout_s):
+def _check_arguments(
+    params, islands, min_quorum, grace_s, merge, island_devices, island_step, timeout_s
+):
     check_positive("islands", islands)
     check_positive("island_devices", island_devices)
     quorum = islands if min_quorum is None else min_quorum
@@ -67,6 +69,8 @@ def _check_arguments(params, islands, min_quorum, grace_s, merge, island_devices
         raise ValueError(f"min_quorum must be an integer in [1, islands={islands}], got {quorum!r}")
     if grace_s is not None and not (math.isfinite(grace_s) and grace_s >= 0):
         raise ValueError(f"grace_s must be None or a finite number >= 0, got {grace_s!r}")
+    if island_step not in ("data_parallel", "fsdp"):
+        raise ValueError(f"island_step must be 'data_parallel' or 'fsdp', got {island_step!r}")
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
     if not (math.isfinite(timeout_s) and timeout_s > 0):
@@ -107,6 +111,7 @@ def train(
     error_feedback: bool | None = None,
     evaluate: Callable[[Any], float] | None = None,
     island_devices: int = 1,
+    island_step: str = "data_parallel",
     island_options: dict | None = None,
     seed: int = 0,
     timeout_s: float = 300.0,
@@ -147,6 +152,9 @@ def train(
       island_devices: devices per island; above 1, each island's inner step
         is a :func:`compjax.data_parallel` step over its own mesh (on CPU the
         island's process is given that many host devices).
+      island_step: the step over an island's devices: ``"data_parallel"`` (the
+        gradients averaged exactly) or ``"fsdp"`` (:func:`compjax.fsdp`: the
+        params and the inner state split over them).
       island_options: Ray actor options of each island (default ``{"num_cpus": 1}``).
       seed: the compressors' random draws.
       timeout_s: the longest any wait may last (no merge for this long:
@@ -165,7 +173,7 @@ def train(
     check_positive("sync_every", sync_every)
     check_positive("rounds", rounds)
     quorum = _check_arguments(
-        params, islands, min_quorum, grace_s, merge, island_devices, timeout_s
+        params, islands, min_quorum, grace_s, merge, island_devices, island_step, timeout_s
     )
     faults = faults_.check_faults(faults, islands, rounds)
     _, keep_error = error_memory(compressor, error_feedback)
@@ -184,7 +192,7 @@ def train(
     island_config = IslandConfig(
         loss_fn=loss_fn, batches=batches, inner=inner, params=host, sync_every=sync_every,
         rounds=rounds, compressor=compressor, error_feedback=keep_error, faults=faults,
-        devices=island_devices, seed=seed, timeout_s=timeout_s,
+        devices=island_devices, step=island_step, seed=seed, timeout_s=timeout_s,
     )  # fmt: skip
     own_ray = not ray.is_initialized()
     if own_ray:

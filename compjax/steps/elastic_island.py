@@ -12,9 +12,9 @@ quorum: a slow island contributes fewer tokens rather than arriving late.
 
 Its inner step (:func:`inner_step`) is a jitted value-and-gradient step of
 the inner optimizer on one device, or on ``devices > 1`` a
-:func:`compjax.data_parallel` step over the island's own mesh (axis
-``"island"``; each batch split over its devices, the gradients averaged
-exactly), so an island may itself be a data-parallel group.
+:func:`compjax.data_parallel` or :func:`compjax.fsdp` step over the
+island's own mesh (axis ``"island"``; each batch split over its devices),
+so an island may itself be a data-parallel or sharded group.
 
 **Healing.** An island (re)joining asks the synchronizer for the open round
 and its parameters, starts its inner optimizer from a fresh ``inner.init``
@@ -27,7 +27,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,7 @@ from compjax.draws import init_key
 from compjax.steps import elastic_faults as faults_
 from compjax.steps.data_parallel import data_parallel
 from compjax.steps.elastic_rounds import STARTUP_S
+from compjax.steps.fsdp import fsdp
 from compjax.transforms.compress import compress
 
 
@@ -56,22 +57,46 @@ class IslandConfig:
     error_feedback: bool = False
     faults: tuple = ()
     devices: int = 1
+    step: str = "data_parallel"  # the island's step over its devices: or "fsdp"
     seed: int = 0
     timeout_s: float = 300.0
 
 
-def inner_step(loss_fn, inner: optax.GradientTransformation, params: Any, devices: int):
-    """``(init, step)`` of the island's inner optimizer; ``step(p, s, *batch) -> (p, s)``.
+class InnerStep(NamedTuple):
+    """An island's inner optimizer: ``place(params)`` puts the params where ``step`` wants
+    them, ``init(placed) -> state``, ``step(placed, state, *batch) -> (placed, state)``,
+    ``read(placed)`` gives them back in their shapes."""
+
+    place: Callable[[Any], Any]
+    init: Callable[[Any], Any]
+    step: Callable[..., tuple[Any, Any]]
+    read: Callable[[Any], Any]
+
+
+def _same(tree: Any) -> Any:
+    return tree
+
+
+def inner_step(
+    loss_fn, inner: optax.GradientTransformation, params: Any, devices: int, kind: str
+) -> InnerStep:
+    """The island's inner optimizer step, on one device or on a mesh of ``devices``.
 
     Args:
       loss_fn: ``loss_fn(params, *batch) -> scalar``.
       inner: the inner optimizer.
       params: the parameters (for the mesh step's shapes).
-      devices: the island's devices; above 1, a :func:`compjax.data_parallel`
-        step over a mesh of them.
+      devices: the island's devices; above 1, a step over a mesh of them
+        (axis ``"island"``, each batch split over it).
+      kind: that step: ``"data_parallel"`` (:func:`compjax.data_parallel`, the
+        gradients averaged exactly) or ``"fsdp"`` (:func:`compjax.fsdp`: the
+        params and the inner state split over the devices).
 
     Returns:
-      The jitted ``init(params) -> state`` and ``step``.
+      :class:`InnerStep`.
+
+    Raises:
+      ValueError: fewer devices than ``devices``, or ``kind`` unknown.
     """
     if devices == 1:
 
@@ -80,13 +105,18 @@ def inner_step(loss_fn, inner: optax.GradientTransformation, params: Any, device
             updates, s = inner.update(grads, s, p)
             return optax.apply_updates(p, updates), s
 
-        return jax.jit(inner.init), jax.jit(step)
+        return InnerStep(_same, jax.jit(inner.init), jax.jit(step), _same)
     if len(jax.devices()) < devices:
         raise ValueError(f"island_devices={devices} but this island sees {len(jax.devices())}")
     mesh = jax.make_mesh((devices,), ("island",), devices=jax.devices()[:devices])
+    if kind == "fsdp":
+        fs = fsdp(loss_fn, inner, params, mesh, axis_name="island")
+        return InnerStep(fs.shard, fs.init, lambda p, s, *b: fs.step(p, s, *b)[:2], fs.unpad)
+    if kind != "data_parallel":
+        raise ValueError(f"island_step must be 'data_parallel' or 'fsdp', got {kind!r}")
     exact = optax.chain(compress(identity(), "island"), inner)
     dp = data_parallel(loss_fn, exact, params, mesh, axis_name="island")
-    return dp.init, lambda p, s, *batch: dp.step(p, s, *batch)[:2]
+    return InnerStep(_same, dp.init, lambda p, s, *b: dp.step(p, s, *b)[:2], _same)
 
 
 class IslandCore:
@@ -95,8 +125,8 @@ class IslandCore:
     def __init__(self, config: IslandConfig, island: int):
         self.config, self.island = config, island
         self.dtypes = jax.tree.map(lambda a: jnp.asarray(a).dtype, config.params)
-        self.init, self.step = inner_step(
-            config.loss_fn, config.inner, config.params, config.devices
+        self.inner = inner_step(
+            config.loss_fn, config.inner, config.params, config.devices, config.step
         )
         self.inner_state = None
         self.error = None
@@ -105,7 +135,7 @@ class IslandCore:
 
     def heal(self, theta: Any) -> None:
         """Fresh inner state and zero error memory, for a (re)joining island."""
-        self.inner_state = self.init(self.local(theta))
+        self.inner_state = self.inner.init(self.inner.place(self.local(theta)))
         self.error = jax.tree.map(np.zeros_like, theta) if self.config.error_feedback else None
 
     def local(self, theta: Any) -> Any:
@@ -120,7 +150,7 @@ class IslandCore:
         Raises:
           RuntimeError: ``batches`` raised (the island, step and error named).
         """
-        params, taken = self.local(theta), 0
+        params, taken = self.inner.place(self.local(theta)), 0
         for k in range(self.config.sync_every):
             t = round_ * self.config.sync_every + k
             try:
@@ -131,7 +161,7 @@ class IslandCore:
                     f"{type(err).__name__}: {err}"
                 ) from err
             start = time.perf_counter()
-            params, self.inner_state = self.step(params, self.inner_state, *batch)
+            params, self.inner_state = self.inner.step(params, self.inner_state, *batch)
             jax.block_until_ready(params)
             if self.slow > 1:
                 time.sleep((self.slow - 1) * (time.perf_counter() - start))
@@ -139,6 +169,7 @@ class IslandCore:
             if k + 1 < self.config.sync_every and stop():
                 break
         self.tokens += taken
+        params = self.inner.read(params)
         delta = jax.tree.map(
             lambda th, p: np.asarray(th, np.float32) - np.asarray(p.astype(jnp.float32)),
             theta, params,
