@@ -15,6 +15,8 @@ the leaf's dtype where wider).  They are pure JAX: they run eager, under
   median lies within the range of the other workers' norms (``n >= 2``):
   one worker scaled by ``1e6`` cannot make the result larger than the
   largest honest message.
+* :func:`merger`: one of the three by name (``compjax.diloco(..., merge=)``,
+  ``compjax.elastic.train(..., merge=)``).
 * :func:`trimmed_mean`: coordinate-wise, the weighted mean of what is left
   after ``trim`` of the total weight is cut from each end of the sorted
   values.  Each coordinate of the result lies between that coordinate's
@@ -39,6 +41,8 @@ References:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -240,3 +244,35 @@ def trimmed_mean(stacked: Any, trim: float, weights: jax.typing.ArrayLike | None
         merged = jnp.sum(jnp.where(keep > 0, keep * values, 0.0), axis=0) / jnp.sum(keep, axis=0)
         out.append(merged.reshape(a.shape[1:]).astype(a.dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def merger(merge: str, trim: float = 0.1) -> Callable[..., Any]:
+    """The merge named ``merge`` as ``merge_fn(stacked, weights=None) -> merged``.
+
+    ``"median_norm_clip"`` clips each leaf to the median of that leaf's norms
+    (``per_leaf=True``: templar clips each parameter tensor); ``"trimmed_mean"``
+    cuts ``trim`` of the weight from each end.
+
+    Args:
+      merge: one of :data:`MERGES`.
+      trim: the trimmed mean's fraction, in ``[0, 0.5)`` (read only for it).
+
+    Returns:
+      The merge function.
+
+    Raises:
+      ValueError: ``merge`` unknown, or ``trim`` outside ``[0, 0.5)``.
+    """
+    if merge not in MERGES:
+        raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
+    if isinstance(trim, bool) or not isinstance(trim, (int, float)) or not 0.0 <= trim < 0.5:
+        raise ValueError(f"trim must be a fraction in [0, 0.5), got {trim!r}")
+    if merge == "mean":
+        return mean
+    if merge == "median_norm_clip":
+        return functools.partial(median_norm_clip, per_leaf=True)
+    return functools.partial(_trimmed_by_weights, trim=trim)
+
+
+def _trimmed_by_weights(stacked: Any, weights: jax.typing.ArrayLike | None = None, *, trim: float):
+    return trimmed_mean(stacked, trim, weights)

@@ -27,6 +27,7 @@ import pytest
 
 import compjax
 import compjax.elastic as ce
+from compjax import merges
 from compjax.steps import elastic_faults as ef
 from compjax.steps import elastic_rounds as er
 from compjax.steps.elastic_island import IslandConfig, IslandCore
@@ -110,7 +111,7 @@ def test_zero_weight_padding_leaves_every_merge_unchanged(merge):
     rng = np.random.default_rng(0)
     rows = [{"a": rng.normal(size=(3, 2)).astype(np.float32)} for _ in range(4)]
     weights = [1.0, 2.0, 1.0, 3.0]
-    fn = er.merger(merge, 0.2)
+    fn = merges.merger(merge, 0.2)
     tight, w = er.stacked(rows, weights, 4)
     padded, wp = er.stacked(rows, weights, 7)
     assert wp.tolist() == [*weights, 0, 0, 0] and padded["a"].shape == (7, 3, 2)
@@ -119,9 +120,9 @@ def test_zero_weight_padding_leaves_every_merge_unchanged(merge):
 
 def test_merger_refuses_unknown_merges_and_trims():
     with pytest.raises(ValueError, match="merge must be one of"):
-        er.merger("median", 0.1)
+        merges.merger("median", 0.1)
     with pytest.raises(ValueError, match="trim must be in"):
-        er.merger("trimmed_mean", 0.5)
+        merges.merger("trimmed_mean", 0.5)
 
 
 # -- the synchronizer, in this process -------------------------------------------------------

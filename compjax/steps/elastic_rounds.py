@@ -36,8 +36,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from compjax import merges
-
 #: A late contribution older than this many rounds is dropped.
 MAX_STALENESS = 1
 #: The least adaptive grace, in seconds.
@@ -119,27 +117,6 @@ def weight(tokens: int, staleness: int) -> float | None:
     return tokens / (1.0 + staleness)
 
 
-def merger(merge: str, trim: float):
-    """The merge function of ``merge``: ``(stacked, weights) -> merged``.
-
-    Raises:
-      ValueError: ``merge`` unknown, or ``trim`` outside ``[0, 0.5)``.
-    """
-    if merge not in merges.MERGES:
-        raise ValueError(f"merge must be one of {merges.MERGES}, got {merge!r}")
-    if not 0.0 <= trim < 0.5:
-        raise ValueError(f"trim must be in [0, 0.5), got {trim!r}")
-    if merge == "mean":
-        return merges.mean
-    if merge == "median_norm_clip":
-        return merges.median_norm_clip
-    return functools.partial(_trimmed_mean, trim=trim)
-
-
-def _trimmed_mean(stacked: Any, weights: jax.Array, trim: float) -> Any:
-    return merges.trimmed_mean(stacked, trim, weights)
-
-
 def stacked(contributions: list[Any], weights: list[float], rows: int) -> tuple[Any, np.ndarray]:
     """The contributions stacked on a leading axis of ``rows``, zero-padded, and their weights.
 
@@ -175,7 +152,7 @@ def merge_and_step(
       outer_state: the outer optimizer's state.
       stacked_deltas: the pseudo-gradients ``theta - theta_i``, stacked.
       weights: one weight per row (0 for padding).
-      merge_fn: from :func:`merger`.
+      merge_fn: from :func:`compjax.merges.merger`.
       outer: the outer optimizer.
 
     Returns:

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import optax
 
+from compjax.merges import merger
 from compjax.payload import wire_bits
 from compjax.steps import elastic_rounds as rules
 
@@ -85,7 +86,7 @@ class SyncCore:
 
     def __init__(self, config: SyncConfig):
         self.config = config
-        self.merge_fn = rules.merger(config.merge, config.trim)
+        self.merge_fn = merger(config.merge, config.trim)
         self.theta = rules.as_float32(config.params)
         self.outer_state = config.outer.init(self.theta)
         self.round = 0

@@ -49,8 +49,15 @@ import optax
 from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange, as_exchange, compressed_mean
+from compjax.merges import merger
 from compjax.transforms.base import ServerMemory, counted
-from compjax.transforms.outer import CompressedMean, EveryH, check_positive, error_memory
+from compjax.transforms.outer import (
+    CompressedMean,
+    EveryH,
+    GatheredMerge,
+    check_positive,
+    error_memory,
+)
 from compjax.transforms.streaming_diloco import StreamingDiLoCoState
 from compjax.transforms.zero_one_adam_local import ZeroOneAdamLocalState
 
@@ -95,6 +102,8 @@ def diloco(
     *,
     error_decay: float = 1.0,
     seed: int = 0,
+    merge: str = "mean",
+    trim: float = 0.1,
 ) -> optax.GradientTransformation:
     """DiLoCo (Algorithm 1 of Douillard et al.) over per-worker params.
 
@@ -156,6 +165,14 @@ def diloco(
         before it is added to the next pseudo-gradient (1: plain error
         feedback).
       seed: seed of the shared key (random compressors).
+      merge: how the pseudo-gradients are merged: ``"mean"``; or, robust to
+        a few wrong or malicious workers (:func:`compjax.merges.merger`, each
+        leaf on its own), ``"median_norm_clip"`` (each worker's message
+        scaled down to the median of the workers' norms, then the mean) or
+        ``"trimmed_mean"`` (coordinate-wise, ``trim`` of the workers cut from
+        each end).  The robust merges gather every worker's message
+        (``exchange="all_gather"`` only) and merge what each decodes.
+      trim: the trimmed mean's fraction, in ``[0, 0.5)``.
 
     Returns:
       An ``optax.GradientTransformation`` whose ``update(grads, state,
@@ -165,8 +182,10 @@ def diloco(
       ValueError: ``sync_every`` is not a positive integer, ``exchange`` is
         unknown, ``error_feedback=True`` without a compressor, or
         ``error_decay`` outside ``[0, 1]`` or below 1 without an error
-        memory; at ``init``, float64 params (``jax_enable_x64``: cast them
-        to float32 first); at ``update``, ``params`` missing.
+        memory, ``merge`` unknown, ``trim`` outside ``[0, 0.5)``, or a robust
+        ``merge`` with another ``exchange`` than ``"all_gather"``; at
+        ``init``, float64 params (``jax_enable_x64``: cast them to float32
+        first); at ``update``, ``params`` missing.
 
     References:
       Douillard et al., "DiLoCo: Distributed Low-Communication Training of
@@ -180,9 +199,18 @@ def diloco(
             f"error_decay must be in [0, 1] and below 1 only with an error memory, "
             f"got {error_decay!r} (error memory: {keep_error})"
         )
+    merge_fn = merger(merge, trim)
+    send = CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error)
+    if merge != "mean":
+        if exchange != "all_gather":
+            raise ValueError(
+                f"exchange must be 'all_gather' with merge={merge!r} (every worker's message "
+                f"is merged), got {exchange!r}"
+            )
+        send = GatheredMerge(comp, axis_name, merge_fn, keep_error)
     rounds = EveryH(
         DiLoCoState, "diloco", inner, outer, sync_every, axis_name,
-        send=CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error),
+        send=send,
         keep_error=keep_error, error_decay=error_decay, server=ServerMemory(comp, exchange),
         seed=seed,
     )  # fmt: skip

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from compjax import collectives, recording
 from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.compressors.dense import identity
@@ -159,6 +160,30 @@ class CompressedMean:
     def __call__(self, key: jax.Array, p: jax.Array, memory: Any) -> tuple:
         sent = self.mean(self.comp, key, p, self.axis_name, self.exchange, memory)
         return sent.mean, (sent.residual(p) if self.keep_error else None), sent.memory
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GatheredMerge:
+    """:data:`Send` of a robust merge: every worker's compressed pseudo-gradient all-gathered,
+    decoded and merged by ``merge`` (:func:`compjax.merges.merger`), one leaf at a time.
+
+    The residual (kept only with ``keep_error``) is this worker's pseudo-gradient less its own
+    message.  No shard owner's memory is kept.
+    """
+
+    comp: Compressor
+    axis_name: AxisName
+    merge: Callable
+    keep_error: bool
+
+    def __call__(self, key: jax.Array, p: jax.Array, memory: Any) -> tuple:
+        payload = self.comp.compress(collectives.worker_key(key, self.axis_name), p)
+        recording.record("payload", payload, "all_gather", self.axis_name)
+        gathered = collectives.all_gather(payload, self.axis_name)
+        decoded = jax.vmap(self.comp.decompress)(gathered).reshape(-1, p.size)
+        merged = self.merge(decoded.astype(jnp.promote_types(p.dtype, jnp.float32)))
+        residual = self.comp.subtract_decoded(payload, p) if self.keep_error else None
+        return merged.reshape(p.shape).astype(p.dtype), residual, memory
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
