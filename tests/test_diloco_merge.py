@@ -127,3 +127,18 @@ def test_the_merged_round_is_counted_as_an_all_gather():
 def test_bad_merges_are_refused_naming_the_parameter(kw, match):
     with pytest.raises(ValueError, match=match):
         compjax.diloco(optax.sgd(0.1), optax.sgd(1.0), 1, "i", **kw)
+
+
+def test_merger_names_each_merge_with_weights():
+    rng = np.random.default_rng(0)
+    stacked = {"a": rng.normal(size=(5, 3)), "b": rng.normal(size=(5, 2, 2))}
+    stacked["b"][1] *= 9.0  # worker 1's second leaf far larger: per-leaf clipping differs
+    w = jnp.array([1.0, 2.0, 0.0, 1.0, 3.0])
+
+    def same(x, y):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), x, y)
+
+    same(merges.merger("mean")(stacked, w), merges.mean(stacked, w))
+    same(merges.merger("median_norm_clip")(stacked, w),
+         merges.median_norm_clip(stacked, w, per_leaf=True))  # fmt: skip
+    same(merges.merger("trimmed_mean", 0.2)(stacked, w), merges.trimmed_mean(stacked, 0.2, w))

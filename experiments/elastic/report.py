@@ -1,7 +1,7 @@
 """The ``make bench-elastic`` report: goodput, time to target, loss and bits per scenario.
 
 Every figure is computed here from the runs' records (:mod:`experiments.elastic.scenario`'s
-and :mod:`experiments.elastic.lockstep`'s JSON), by the definitions below, stated again in the
+and :mod:`experiments.elastic.baseline`'s JSON), by the definitions below, stated again in the
 report:
 
 * **time** runs from the end of each run's round 0 (its processes' start and first compile
@@ -85,6 +85,7 @@ def summary(records: dict[str, dict]) -> dict:
             "rounds_merged": len(record["history"]),
             "no_round_lost": no_round_lost(record),
             "elapsed_s": elapsed(record),
+            "step_rate": step_rate(record),
             "loopback_bytes": record.get("loopback_bytes"),
         }
     return {"target": goal, "clean_rate": rate, "rows": rows, "goals": goals(rows)}
@@ -125,6 +126,39 @@ LABELS = {
 }
 
 
+def absent_rounds(record: dict, island: int) -> list[int]:
+    """The rounds merged without ``island``."""
+    return [r["round"] for r in record["history"] if island not in r["merged"]]
+
+
+def notes(records: dict[str, dict]) -> list[str]:
+    """What the table does not show: how each kill played out, and the machine's caveat."""
+    lines = []
+    if "kill_restart" in records:
+        gone = absent_rounds(records["kill_restart"], 1)
+        lines.append(
+            f"Elastic kill: island 1 was absent from {len(gone)} rounds ({gone[0]} to "
+            f"{gone[-1]}: its restart's process start, import and compile) while the other "
+            "three went on."
+        )
+    info = records.get("lockstep", {}).get("lockstep")
+    if info and info.get("killed_s") is not None:
+        lines.append(
+            f"Lock-step kill: the launcher saw the death {info['detected_s']:.1f} s after it "
+            "(left alone, the survivors wait in the gloo collective), stopped the job and "
+            f"relaunched it; its first round after the restart came {info['restart_s']:.1f} s "
+            f"after the relaunch; {info['lost_s']:.1f} s lost in all, "
+            f"{info['lost_s'] / info['round_s']:.0f} rounds' time."
+        )
+    lines.append(
+        "Caveat: the four islands share two cores, so an island that is dead or asleep "
+        "leaves its share to the others (see steps/island/s): this flatters the kill's and "
+        "the straggler's goodput and time; the poisoned run's 'goodput' above 100% shows the "
+        "run-to-run spread."
+    )
+    return lines
+
+
 def _fmt(value, spec: str, none: str = "never") -> str:
     if value is None:
         return none
@@ -147,18 +181,20 @@ def markdown(result: dict, records: dict[str, dict], rate: str) -> str:
         f"{(3 * setup['rounds']) // 4}); clean step rate {result['clean_rate']:.2f} inner steps "
         "per island and second.",
         "",
-        "| run | goodput | time to target (s) | vs clean | final val. loss | vs clean | "
-        "Mbit pushed | rounds | loopback MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | goodput | steps/island/s | time to target (s) | vs clean | final val. loss | "
+        "vs clean | Mbit pushed | rounds | loopback MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in result["rows"].items():
         lines.append(
-            f"| {LABELS.get(name, name)} | {row['goodput']:.1%} | "
+            f"| {LABELS.get(name, name)} | {row['goodput']:.1%} | {row['step_rate']:.2f} | "
             f"{_fmt(row['time_to_target_s'], '.1f')} | {_fmt(row['time_ratio'], '.2f', '-')}x | "
             f"{row['final_validation']:.4f} | {row['loss_change']:+.1%} | "
             f"{row['bits'] / 1e6:.1f} | {row['rounds_merged']} | "
             f"{_fmt(row['loopback_bytes'] and row['loopback_bytes'] / 1e6, '.0f', '-')} |"
         )
+    for note in notes(records):
+        lines += ["", note]
     lines += ["", "## Goals", ""]
     for goal, verdict in result["goals"].items():
         mark = {True: "met", False: "**missed**", None: "not run"}[verdict]

@@ -7,7 +7,8 @@ namespace with only its loopback up, limits the loopback to ``--rate`` (0.1 Gbit
    restarted two rounds later, a 3x straggler, a poisoned island with the median-norm clip, a
    killed synchronizer), all on one Ray instance inside the namespace;
 2. the lock-step baseline (:mod:`experiments.elastic.baseline`): ``compjax.diloco`` under
-   ``jax.distributed`` with the same kill, which aborts and restarts from its last checkpoint;
+   ``jax.distributed`` with the same kill, which aborts and restarts from its last checkpoint,
+   and without it;
 
 then writes ``results/bench_elastic.{json,md,png}`` (:mod:`experiments.elastic.report`; a
 full run also ``paper_figs/out/bench_elastic.*``, committed).
@@ -27,6 +28,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
+
+import compjax
 from experiments.common import netns
 from experiments.elastic import baseline, report, scenario, task
 
@@ -37,16 +42,25 @@ CACHE = RESULTS / "bench_elastic_jax_cache"
 FIGURES = Path("paper_figs/out")
 
 
-def lockstep_record(raw: dict, setup: task.Setup) -> dict:
+def round_bits(setup: task.Setup) -> int:
+    """The wire bits of one lock-step round's payloads: every worker's ``int_quant(8)``
+    pseudo-gradient, leaf by leaf (what the elastic synchronizer receives in a full round)."""
+    comp = compjax.int_quant(8)
+    params = task.init_params()
+    return setup.islands * sum(comp.bits(np.shape(a)) for a in jax.tree.leaves(params))
+
+
+def lockstep_record(raw: dict, setup: task.Setup, name: str = "lockstep") -> dict:
     """The lock-step run's record in the elastic scenarios' form (every worker merged every
     round it finished: ``islands x H`` tokens each)."""
+    bits = round_bits(setup)
     history = [
         {"round": r["round"], "wall_s": r["wall_s"], "evaluation": r["evaluation"],
-         "tokens": [setup.sync_every] * setup.islands, "bits": r.get("bits", 0)}
+         "tokens": [setup.sync_every] * setup.islands, "bits": bits}
         for r in raw["history"]
     ]  # fmt: skip
     return {
-        "name": "lockstep",
+        "name": name,
         "setup": dataclasses.asdict(setup),
         "history": history,
         "final_validation": history[-1]["evaluation"],
@@ -87,10 +101,12 @@ def main(argv: list[str] | None = None) -> None:
         todo = [n for n in names if not (args.resume and (RAW / f"{n}.json").exists())]
         if todo:
             run_scenarios(todo, setup)
-        if not (args.resume and (RAW / "lockstep.json").exists()):
-            kill = max(1, setup.rounds // 4)
-            raw = baseline.run_lockstep(NS, RAW / "lockstep_raw", kill_round=kill, setup=setup)
-            (RAW / "lockstep.json").write_text(json.dumps(lockstep_record(raw, setup), indent=1))
+        for name, kill in (("lockstep", max(1, setup.rounds // 4)), ("lockstep_clean", None)):
+            if (args.quick and kill is None) or (args.resume and (RAW / f"{name}.json").exists()):
+                continue
+            raw = baseline.run_lockstep(NS, RAW / f"{name}_raw", kill_round=kill, setup=setup)
+            record = lockstep_record(raw, setup, name)
+            (RAW / f"{name}.json").write_text(json.dumps(record, indent=1))
     result = report.write(RAW, RESULTS, args.rate)
     if not args.quick:  # the committed copy
         report.write(RAW, FIGURES, args.rate)
