@@ -5,6 +5,7 @@ collectives (:func:`run_joined`), and kept in step by barriers (:func:`barrier`)
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -108,6 +109,16 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> str | None:
 
 
 # -- a worker's side ----------------------------------------------------------------------------
+def worker_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A worker's command line: ``--process-id``, ``--num-processes`` and ``--port`` (the
+    launcher's), to which the worker adds its own."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    return parser
+
+
 def barrier(name: str) -> None:
     """Wait until every process of the job has reached the barrier ``name``."""
     from jax.experimental import multihost_utils

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import compjax
-from experiments.common.jobs import run_joined
+from experiments.common.jobs import run_joined, worker_parser
 from experiments.common.lm_step import AXIS, local_stepper
 from experiments.elastic import task
 
@@ -112,12 +112,7 @@ def _wall(args) -> float:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m experiments.elastic.baseline_worker", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("--process-id", type=int, required=True)
-    parser.add_argument("--num-processes", type=int, required=True)
-    parser.add_argument("--port", type=int, required=True)
+    parser = worker_parser("python -m experiments.elastic.baseline_worker", __doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=task.SETUP.rounds)
     parser.add_argument("--sync-every", type=int, default=task.SETUP.sync_every)
