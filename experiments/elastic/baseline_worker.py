@@ -66,7 +66,8 @@ def restore(directory: Path, like, rank: int):
 def newest_complete(root: Path, processes: int) -> Path | None:
     """The newest round directory holding every process's file."""
     rounds = sorted(root.glob("round_*")) if root.exists() else []
-    complete = [d for d in rounds if len(list(d.glob("process_*.npz"))) == processes]
+    names = [f"process_{i}.npz" for i in range(processes)]  # not a stopped save's .tmp.npz
+    complete = [d for d in rounds if all((d / name).exists() for name in names)]
     return complete[-1] if complete else None
 
 
