@@ -121,7 +121,7 @@ def test_zero_weight_padding_leaves_every_merge_unchanged(merge):
 def test_merger_refuses_unknown_merges_and_trims():
     with pytest.raises(ValueError, match="merge must be one of"):
         merges.merger("median", 0.1)
-    with pytest.raises(ValueError, match="trim must be in"):
+    with pytest.raises(ValueError, match="trim must be a fraction in"):
         merges.merger("trimmed_mean", 0.5)
 
 
@@ -365,10 +365,10 @@ def test_no_faults_equals_diloco_under_vmap(runs):
 def test_a_killed_island_is_absent_then_heals_and_returns(runs):
     run = runs["kill_restart"]
     history = run["history"]
-    assert [r["round"] for r in history] == list(range(16))  # every round finished
+    assert [r["round"] for r in history] == list(range(20))  # every round finished
     assert all(1 in r["merged"] for r in history[:2])
-    assert all(1 not in r["merged"] for r in history[2:4])
-    back = [r["round"] for r in history if 1 in r["merged"] and r["round"] >= 4]
+    assert all(1 not in r["merged"] for r in history[2:3])
+    back = [r["round"] for r in history if 1 in r["merged"] and r["round"] >= 3]
     assert back and all(1 in r["merged"] for r in history if r["round"] > back[0])
     assert all(len(r["merged"]) >= ew.ISLANDS - 1 for r in history)
 

@@ -90,6 +90,19 @@ def _ray():
     return ray
 
 
+def _start_ray(ray, address: str | None, islands: int) -> bool:
+    """Join ``address``'s cluster, or start a local instance on 127.0.0.1, unless Ray is
+    running already; whether this call started it (and so shuts it down)."""
+    if ray.is_initialized():
+        return False
+    if address is None:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=islands + 1,
+                 log_to_driver=False)  # fmt: skip
+    else:
+        ray.init(address=address, log_to_driver=False)
+    return True
+
+
 def train(
     loss_fn: Callable[..., jax.Array],
     params: Any,
@@ -194,13 +207,7 @@ def train(
         rounds=rounds, compressor=compressor, error_feedback=keep_error, faults=faults,
         devices=island_devices, step=island_step, seed=seed, timeout_s=timeout_s,
     )  # fmt: skip
-    own_ray = not ray.is_initialized()
-    if own_ray:
-        if address is None:
-            ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=islands + 1,
-                     log_to_driver=False)  # fmt: skip
-        else:
-            ray.init(address=address, log_to_driver=False)
+    own_ray = _start_ray(ray, address, islands)
     try:
         run = _Run(ray, sync_config, island_config, island_options, timeout_s, progress)
         theta, history = run.until_done()

@@ -199,15 +199,7 @@ def diloco(
             f"error_decay must be in [0, 1] and below 1 only with an error memory, "
             f"got {error_decay!r} (error memory: {keep_error})"
         )
-    merge_fn = merger(merge, trim)
-    send = CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error)
-    if merge != "mean":
-        if exchange != "all_gather":
-            raise ValueError(
-                f"exchange must be 'all_gather' with merge={merge!r} (every worker's message "
-                f"is merged), got {exchange!r}"
-            )
-        send = GatheredMerge(comp, axis_name, merge_fn, keep_error)
+    send = _send(comp, axis_name, exchange, keep_error, merge, trim)
     rounds = EveryH(
         DiLoCoState, "diloco", inner, outer, sync_every, axis_name,
         send=send,
@@ -215,6 +207,20 @@ def diloco(
         seed=seed,
     )  # fmt: skip
     return optax.GradientTransformation(rounds.init, counted(rounds.update))
+
+
+def _send(comp, axis_name, exchange, keep_error: bool, merge: str, trim: float):
+    """The round's exchange of one leaf: the compressed mean, or a robust merge of the
+    gathered messages (:class:`~compjax.transforms.outer.GatheredMerge`)."""
+    merge_fn = merger(merge, trim)
+    if merge == "mean":
+        return CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error)
+    if exchange != "all_gather":
+        raise ValueError(
+            f"exchange must be 'all_gather' with merge={merge!r} (every worker's message "
+            f"is merged), got {exchange!r}"
+        )
+    return GatheredMerge(comp, axis_name, merge_fn, keep_error)
 
 
 def worker_copies(params: Any, num_workers: int) -> Any:
