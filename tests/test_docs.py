@@ -10,6 +10,7 @@ docstring) or, for a submodule, an ``automodule`` directive.
 
 import ast
 import importlib
+import importlib.util
 import os
 import pathlib
 import re
@@ -101,6 +102,8 @@ def test_api_reference_lists_only_real_names():
             importlib.import_module(name)
             continue
         module = importlib.import_module(module_name)
+        if not hasattr(module, attribute) and importlib.util.find_spec(name) is not None:
+            continue  # a submodule its package does not import (compjax.steps.elastic_sync)
         assert hasattr(module, attribute), f"docs/api lists {name}, which does not exist"
 
 
