@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 import compjax
-from experiments.common.jobs import run_joined, worker_parser
+from experiments.common.jobs import barrier, run_joined, worker_parser
 from experiments.common.lm_step import AXIS, local_stepper
 from experiments.elastic import task
 
@@ -73,6 +73,10 @@ def newest_complete(root: Path, processes: int) -> Path | None:
 
 def train(args) -> None:
     n, rank = args.num_processes, args.process_id
+    # The collectives' context (gloo: every process within 30 s) is set up now, while the
+    # processes stand together after the join, not at the first step, which each reaches
+    # after its own compile and restore (minutes apart on a loaded machine).
+    barrier("joined")
     setup = dataclasses.replace(task.SETUP, sync_every=args.sync_every)
     mesh = jax.make_mesh((n,), (AXIS,))
     opt = compjax.diloco(
