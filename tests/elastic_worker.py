@@ -69,7 +69,7 @@ def raising_batches(island, step):
 
 
 def slow_batches(island, step):
-    time.sleep(0.3)  # rounds of 1.2 s: 17 after the restart, for its process start and compile
+    time.sleep(0.3)  # rounds of 1.2 s: 21 after the restart, for its process start and compile
     return batches(island, step)
 
 
@@ -80,7 +80,7 @@ SCENARIOS = {
     "kill_sync": dict(faults=(ce.KillSynchronizer(2),)),
     "kill_restart": dict(
         batches=slow_batches,
-        rounds=20,
+        rounds=24,
         min_quorum=ISLANDS - 1,
         grace_s=2.0,
         faults=(ce.Kill(1, at_round=2, restart_at_round=3),),
