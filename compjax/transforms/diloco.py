@@ -40,16 +40,17 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from compjax import merges
 from compjax.axes import AxisName
 from compjax.compressor import Compressor
 from compjax.exchange import Exchange, as_exchange, compressed_mean
-from compjax.merges import merger
 from compjax.transforms.base import ServerMemory, counted
 from compjax.transforms.outer import (
     CompressedMean,
@@ -165,13 +166,16 @@ def diloco(
         before it is added to the next pseudo-gradient (1: plain error
         feedback).
       seed: seed of the shared key (random compressors).
-      merge: how the pseudo-gradients are merged: ``"mean"``; or, robust to
-        a few wrong or malicious workers (:func:`compjax.merges.merger`, each
-        leaf on its own), ``"median_norm_clip"`` (each worker's message
-        scaled down to the median of the workers' norms, then the mean) or
-        ``"trimmed_mean"`` (coordinate-wise, ``trim`` of the workers cut from
-        each end).  The robust merges gather every worker's message
-        (``exchange="all_gather"`` only) and merge what each decodes.
+      merge: ``"mean"``; or, robust to a few wrong or malicious workers,
+        ``"median_norm_clip"`` (each worker's whole message, all leaves
+        together, scaled down to the median of the messages' norms, then the
+        mean: :func:`compjax.merges.median_norm_clip`, ``per_leaf=False``)
+        or ``"trimmed_mean"`` (:func:`compjax.merges.trimmed_mean`,
+        coordinate-wise).  These gather every worker's message
+        (``exchange="all_gather"`` only) and merge what each decodes; a
+        worker whose pseudo-gradient is not finite (an inner step that
+        overflowed on finite gradients) is left out of them, while a
+        non-finite gradient still refuses the step for every worker.
       trim: the trimmed mean's fraction, in ``[0, 0.5)``.
 
     Returns:
@@ -210,16 +214,25 @@ def diloco(
 
 
 def _send(comp, axis_name, exchange, keep_error: bool, merge: str, trim: float):
-    """The round's exchange of one leaf: the compressed mean, or a robust merge of the
-    gathered messages (:class:`~compjax.transforms.outer.GatheredMerge`)."""
-    merge_fn = merger(merge, trim)
+    """The round's exchange: each leaf's compressed mean, or a robust merge of every worker's
+    whole gathered pseudo-gradient (:class:`~compjax.transforms.outer.GatheredMerge`).
+
+    Raises:
+      ValueError: ``merge`` unknown, ``trim`` outside ``[0, 0.5)``, or a robust ``merge``
+        with an ``exchange`` other than ``"all_gather"``.
+    """
+    merges.merger(merge, trim)  # the names and the fraction checked
     if merge == "mean":
         return CompressedMean(compressed_mean, comp, axis_name, exchange, keep_error)
-    if exchange != "all_gather":
+    if as_exchange(exchange).kind != "all_gather" or as_exchange(exchange).fast_axis is not None:
         raise ValueError(
             f"exchange must be 'all_gather' with merge={merge!r} (every worker's message "
             f"is merged), got {exchange!r}"
         )
+    if merge == "median_norm_clip":
+        merge_fn = functools.partial(merges.median_norm_clip, per_leaf=False)
+    else:
+        merge_fn = functools.partial(merges.trimmed_mean, trim=trim)
     return GatheredMerge(comp, axis_name, merge_fn, keep_error)
 
 

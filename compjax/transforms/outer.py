@@ -44,7 +44,9 @@ from compjax.transforms.base import Leaves, ServerMemory, cast_like, state_zeros
 from compjax.transforms.per_worker_params import check_params_dtype
 
 #: ``send(key, p, memory) -> (mean, residual, memory)``: one leaf's pseudo-gradient ``p``
-#: exchanged; ``residual`` is ``None`` where no error memory is kept.
+#: exchanged; ``residual`` is ``None`` where no error memory is kept.  A send whose
+#: ``whole_tree`` is true takes and returns lists, every leaf's at once
+#: (:class:`GatheredMerge`): ``send(keys, ps, memories) -> (means, residuals, memories)``.
 Send = Callable[[jax.Array, jax.Array, Any], tuple[jax.Array, Any, Any]]
 
 
@@ -127,12 +129,19 @@ def outer_round(
       shard owners' memories.
     """
     means, new_errors, new_memories = [], [], []
-    for k, t, lo, e, m in zip(keys, jax.tree.leaves(theta), local, errors, memories, strict=True):
-        p = pseudo_gradient(t, lo, e, decay)
-        mean, residual, memory = send(k, p, m)
-        means.append(mean)
-        new_errors.append(e if residual is None else residual)
-        new_memories.append(memory)
+    if getattr(send, "whole_tree", False):
+        triples = zip(jax.tree.leaves(theta), local, errors, strict=True)
+        ps = [pseudo_gradient(t, lo, e, decay) for t, lo, e in triples]
+        means, residuals, new_memories = send(keys, ps, memories)
+        new_errors = [e if r is None else r for e, r in zip(errors, residuals, strict=True)]
+    else:
+        leaves = zip(keys, jax.tree.leaves(theta), local, errors, memories, strict=True)
+        for k, t, lo, e, m in leaves:
+            p = pseudo_gradient(t, lo, e, decay)
+            mean, residual, memory = send(k, p, m)
+            means.append(mean)
+            new_errors.append(e if residual is None else residual)
+            new_memories.append(memory)
     delta = jax.tree.unflatten(jax.tree.structure(theta), means)
     outer_updates, outer_state = outer.update(delta, outer_state, theta)
     return optax.apply_updates(theta, outer_updates), outer_state, new_errors, new_memories
@@ -162,10 +171,23 @@ class CompressedMean:
         return sent.mean, (sent.residual(p) if self.keep_error else None), sent.memory
 
 
+def gathered(comp: Compressor, key: jax.Array, p: jax.Array, axis_name: AxisName) -> tuple:
+    """This worker's compressed ``p`` and every worker's, all-gathered: ``(payload, gathered)``.
+
+    The payload is recorded as an all-gather (:func:`compjax.communication`);
+    ``gathered`` carries a leading worker axis.
+    """
+    payload = comp.compress(collectives.worker_key(key, axis_name), p)
+    recording.record("payload", payload, "all_gather", axis_name)
+    return payload, collectives.all_gather(payload, axis_name)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GatheredMerge:
-    """:data:`Send` of a robust merge: every worker's compressed pseudo-gradient all-gathered,
-    decoded and merged by ``merge`` (:func:`compjax.merges.merger`), one leaf at a time.
+    """:data:`Send` of a robust merge over the whole tree: every worker's compressed
+    pseudo-gradient all-gathered (:func:`gathered`), decoded, and the stacked messages of all
+    leaves merged at once by ``merge`` (``merge(stacked) -> merged``, a function of
+    :mod:`compjax.merges`: a worker's message is its whole pseudo-gradient).
 
     The residual (kept only with ``keep_error``) is this worker's pseudo-gradient less its own
     message.  No shard owner's memory is kept.
@@ -175,15 +197,18 @@ class GatheredMerge:
     axis_name: AxisName
     merge: Callable
     keep_error: bool
+    whole_tree = True
 
-    def __call__(self, key: jax.Array, p: jax.Array, memory: Any) -> tuple:
-        payload = self.comp.compress(collectives.worker_key(key, self.axis_name), p)
-        recording.record("payload", payload, "all_gather", self.axis_name)
-        gathered = collectives.all_gather(payload, self.axis_name)
-        decoded = jax.vmap(self.comp.decompress)(gathered).reshape(-1, p.size)
-        merged = self.merge(decoded.astype(jnp.promote_types(p.dtype, jnp.float32)))
-        residual = self.comp.subtract_decoded(payload, p) if self.keep_error else None
-        return merged.reshape(p.shape).astype(p.dtype), residual, memory
+    def __call__(self, keys: Sequence[jax.Array], ps: Sequence[jax.Array], memories) -> tuple:
+        stacked, residuals = [], []
+        for key, p in zip(keys, ps, strict=True):
+            payload, every = gathered(self.comp, key, p, self.axis_name)
+            decoded = jax.vmap(self.comp.decompress)(every).reshape(-1, p.size)
+            stacked.append(decoded.astype(jnp.promote_types(p.dtype, jnp.float32)))
+            residuals.append(self.comp.subtract_decoded(payload, p) if self.keep_error else None)
+        merged = self.merge(stacked)
+        means = [m.reshape(p.shape).astype(p.dtype) for m, p in zip(merged, ps, strict=True)]
+        return means, residuals, list(memories)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

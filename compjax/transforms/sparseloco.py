@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from compjax import collectives, merges, recording
+from compjax import merges
 from compjax.axes import AxisName
 from compjax.compressors.chunked import ChunkedTopK, chunk_layout, chunked_top_k
 from compjax.exchange import Exchange, as_exchange
 from compjax.transforms.base import ServerMemory, counted
 from compjax.transforms.diloco import DiLoCoState, diloco
-from compjax.transforms.outer import EveryH, check_positive
+from compjax.transforms.outer import EveryH, check_positive, gathered
 
 MERGES = ("mean", "median_norm_clip")
 AVERAGES = ("workers", "senders")
@@ -194,10 +194,8 @@ class MergedSend:
 
     def __call__(self, key: jax.Array, p: jax.Array, memory: None) -> tuple:
         comp = self.vector if is_vector(p.shape) else self.matrix
-        payload = comp.compress(collectives.worker_key(key, self.axis_name), p)
-        recording.record("payload", payload, "all_gather", self.axis_name)
-        gathered = collectives.all_gather(payload, self.axis_name)
-        decoded = jax.vmap(comp.decompress)(gathered).reshape(-1, p.size)
-        sent = jax.vmap(functools.partial(_sent, comp, n=p.size))(gathered.wire)
+        payload, every = gathered(comp, key, p, self.axis_name)
+        decoded = jax.vmap(comp.decompress)(every).reshape(-1, p.size)
+        sent = jax.vmap(functools.partial(_sent, comp, n=p.size))(every.wire)
         mean = merged_messages(decoded, sent, self.merge, self.average).reshape(p.shape)
         return mean, comp.subtract_decoded(payload, p), memory
