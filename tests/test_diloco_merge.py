@@ -2,7 +2,7 @@
 whole pseudo-gradient is gathered, decoded and merged by compjax.merges (median_norm_clip clips
 each worker's whole message, all leaves together; trimmed_mean is coordinate-wise).
 
-Checked under jax.vmap over 4 workers (one round, inner SGD(0.1), outer SGD(1): theta_new =
+Checked under jax.vmap over 4 workers (one round, inner SGD(1/8), outer SGD(1): theta_new =
 theta - merged) against a float64 numpy transcription of the merge applied to the workers'
 pseudo-gradients, recomputed here from the inputs; with one worker sending 2^20 times its
 gradient, a NaN gradient, an inner step that overflows float16 params, compressed messages,
@@ -92,7 +92,7 @@ def one_round(merge, scales=SCALES, **kw):
 
 
 def pseudo_gradients(scales=SCALES, dtype=jnp.float32, grad_dtype=None):
-    """Each worker's ``theta - theta_i`` after one inner SGD(0.1) step, recomputed here from
+    """Each worker's ``theta - theta_i`` after one inner SGD(LR) step, recomputed here from
     the inputs (float32 ``theta``, the local params in ``dtype``): ``{leaf: (N, ...)}``."""
     params = cast(P0, dtype)
     theta = cast(params, jnp.float32)
@@ -304,9 +304,13 @@ def test_bad_merges_are_refused_naming_the_parameter(kw, match):
         compjax.diloco(optax.sgd(0.1), optax.sgd(1.0), 1, "i", **kw)
 
 
-def test_the_mean_takes_any_exchange():
-    compjax.diloco(optax.sgd(0.1), optax.sgd(1.0), 1, "i", compressor=compjax.int_quant(8),
-                   exchange="scatter_gather", merge="mean")  # fmt: skip
+def test_the_mean_takes_any_exchange_and_keeps_its_own_route():
+    """merge="mean" (any trim) is the compressed mean: int8 codes summed by an all-reduce,
+    over "scatter_gather" too, never gathered."""
+    tx = compjax.diloco(optax.sgd(0.1), optax.sgd(1.0), 1, "i", compressor=compjax.int_quant(8),
+                        exchange="scatter_gather", merge="mean", trim=0.3)  # fmt: skip
+    routes = compjax.communication(tx, P0, "i", num_workers=N).routes
+    assert [via for kind, via, _ in routes if kind == "payload"] == ["all_reduce"] * 2
 
 
 def test_merger_names_each_merge_with_weights():
