@@ -83,7 +83,7 @@ import optax
 from matplotlib.figure import Figure
 
 import compjax
-from experiments.common import data
+from experiments.common import data, models
 from experiments.harness import tasks
 from paper_figs import common
 
@@ -214,9 +214,16 @@ def dataset() -> data.Dataset:
     return data.characters(length=LENGTH)
 
 
+#: The model's width: the task's (2 blocks of width 128, 431k parameters).
+WIDTH = 128
+
+
 @functools.cache
-def model():
-    return tasks.get(TASK).model(dataset().num_classes)
+def model(width: int = WIDTH):
+    """The task's transformer at ``width`` (its default 128; fig13_diloco_rounds uses 64)."""
+    if width == WIDTH:
+        return tasks.get(TASK).model(dataset().num_classes)
+    return models.CharTransformer(vocab=dataset().num_classes, width=width)
 
 
 def evenly(split: data.Split, count: int) -> tuple[jax.Array, jax.Array]:
@@ -225,11 +232,11 @@ def evenly(split: data.Split, count: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(split.x[idx]), jnp.asarray(split.y[idx])
 
 
-def problem(seed: int):
+def problem(seed: int, width: int = WIDTH):
     """``(params, worker x, worker y, worker keys)`` for ``seed``: i.i.d. shards of the text."""
     ds = dataset()
     x, y = data.worker_shards(ds.train, WORKERS, "shuffle", seed)
-    params = model().init(jax.random.key(seed), jnp.asarray(x[0, :1]))["params"]
+    params = model(width).init(jax.random.key(seed), jnp.asarray(x[0, :1]))["params"]
     keys = jax.random.split(jax.random.key(1000 + seed), WORKERS)
     return params, jnp.asarray(x), jnp.asarray(y), keys
 
@@ -268,9 +275,11 @@ def global_params(method: Method, params, state):
     return compjax.global_params(state)
 
 
-def trainer(method: Method, steps: int) -> Callable:
+@functools.cache
+def trainer(method: Method, steps: int, width: int = WIDTH) -> Callable:
     """``run(params, x, y, keys, lr) -> (train losses per step, curve validation losses,
-    final params)``, jitted once for ``method``; ``steps`` a multiple of ``EVAL_EVERY``.
+    final params)``, jitted once for ``method`` (and cached: a sweep and the runs after it
+    share the compile); ``steps`` a multiple of ``EVAL_EVERY``.
 
     The whole run is one ``jax.vmap`` over the workers, the state made inside it: the
     shared fields (the step count) stay unmapped, so DiLoCo's ``lax.cond`` synchronises only
@@ -278,7 +287,7 @@ def trainer(method: Method, steps: int) -> Callable:
     select that runs the synchronisation every step).  Each worker evaluates a quarter of
     the ``CURVE_EXAMPLES`` validation windows, and the mean is ``pmean``-ed.
     """
-    loss = tasks.loss_fn(model())
+    loss = tasks.loss_fn(model(width))
     val_x, val_y = evenly(dataset().validation, CURVE_EXAMPLES)
     val_x = val_x.reshape(WORKERS, -1, *val_x.shape[1:])
     val_y = val_y.reshape(WORKERS, -1, *val_y.shape[1:])
@@ -309,14 +318,14 @@ def trainer(method: Method, steps: int) -> Callable:
     return jax.jit(run)
 
 
-@jax.jit
-def _split_loss(params, x, y):
-    return tasks.loss_fn(model())(params, (x, y))
+@functools.partial(jax.jit, static_argnums=0)
+def _split_loss(width, params, x, y):
+    return tasks.loss_fn(model(width))(params, (x, y))
 
 
-def split_loss(params, split: data.Split) -> float:
+def split_loss(params, split: data.Split, width: int = WIDTH) -> float:
     """The mean cross-entropy (nats per character) on every window of ``split``."""
-    return float(_split_loss(params, jnp.asarray(split.x), jnp.asarray(split.y)))
+    return float(_split_loss(width, params, jnp.asarray(split.x), jnp.asarray(split.y)))
 
 
 @dataclasses.dataclass

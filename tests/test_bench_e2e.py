@@ -260,24 +260,39 @@ def test_goals_are_met_missed_or_not_run():
     assert "MISSED (best sign-sg, 0.33x, mean of 2 seeds: 0.00 to 0.67x)" in lines[0]
 
 
-def test_the_prediction_goal_names_its_worst_run_and_splits_steps_from_step_time():
-    # Seed 1 of the vote needs 8 steps where the sweep's seed 0 needed 6, at the predicted
-    # step time: 1.33x the prediction, all of it steps.
+def test_each_seed_is_predicted_from_its_own_simulation():
+    # Seed 1 of the vote needs 8 steps where the sweep's seed 0 needed 6: without seed 1's
+    # own simulation it gets no prediction (seed 0's is not borrowed); with it (the late
+    # stage's run, which reaches the early target at step 8 on its way), 1.00x.
     res = _result()
     res["rates"]["1gbit"].append(_timed("sign-sg", 1, [0.25] * 8, 8))
+    seed1 = next(r for r in bench_e2e_report.rows(res) if r["seed"] == 1)
+    assert seed1["predicted_s"] is None and seed1["measured_over_predicted"] is None
+    assert "; 3 runs)" in bench_e2e_report.goals(bench_e2e_report.rows(res), res)[2]
+    res["late"] = {"target": 3.3, "runs": {"sign-sg/1": {"evals": [(0, 4.0), (8, 3.55)]}}}
+    seed1 = next(r for r in bench_e2e_report.rows(res) if r["seed"] == 1)
+    assert seed1["predicted_s"] == 2.0 and seed1["measured_over_predicted"] == 1.0
+
+
+def test_the_prediction_goal_names_its_worst_run_and_splits_steps_from_step_time():
+    # Seed 1 of the vote needs 8 steps where its simulation needed 6, at the predicted step
+    # time: 1.33x the prediction, all of it steps.
+    res = _result()
+    res["rates"]["1gbit"].append(_timed("sign-sg", 1, [0.25] * 8, 8))
+    res["late"] = {"target": 3.3, "runs": {"sign-sg/1": {"evals": [(0, 4.0), (6, 3.55)]}}}
     table = bench_e2e_report.rows(res)
     seed1 = next(r for r in table if (r["method"], r["seed"]) == ("sign-sg", 1))
     assert seed1["measured_over_predicted"] == pytest.approx(8 / 6)
     assert seed1["steps_over_simulated"] == pytest.approx(8 / 6)
     line = bench_e2e_report.goals(table, res)[2]
     assert "prediction: MISSED (worst measured/predicted 1.33: sign-sg seed 1 at 1gbit" in line
-    assert "its steps 1.33x the simulation's (seed 0), its time per step 1.00x" in line
+    assert "its steps 1.33x its seed's simulation's, its time per step 1.00x" in line
     # A step slower than the median (which the prediction takes) shows in the second factor:
     # 2 + 7 x 0.25 s over 6 x 0.25 s is 2.5x, the steps' 1.33x times 1.88x.
     res["rates"]["1gbit"][-1]["step_times"] = [2.0] + [0.25] * 7
     line = bench_e2e_report.goals(bench_e2e_report.rows(res), res)[2]
     assert "measured/predicted 2.50: sign-sg seed 1" in line
-    assert "its steps 1.33x the simulation's (seed 0), its time per step 1.88x" in line
+    assert "its steps 1.33x its seed's simulation's, its time per step 1.88x" in line
 
 
 def test_the_report_and_figure_are_written(tmp_path):

@@ -16,7 +16,7 @@
 
 Each row carries its speedups over dense float32 and over the bf16
 all-reduce of the same rate and seed, and the prediction
-``steps_to_target(simulation, seed 0) x step time`` (:func:`step_time`: the
+``steps_to_target(simulation of its seed) x step time`` (:func:`step_time`: the
 median step, or a local-steps method's mean step over a round, its
 synchronisation included; :func:`predict`: a warm-up's steps at their own
 time), with the ratio of measured to predicted (measured rows only).
@@ -33,6 +33,8 @@ import statistics
 from pathlib import Path
 
 import numpy as np
+
+from experiments.e2e import late
 
 #: Goals, as the benchmark states them (not loosened).
 GOAL_PER_STEP = 1.5  # some per-step method vs bf16 at 1 Gbit/s, 4 processes
@@ -74,7 +76,6 @@ def bits_per_worker(run: dict) -> float | None:
 
 def rows(res: dict) -> list[dict]:
     """One row per (rate, method, seed), measured or extrapolated (see the module docstring)."""
-    sim = res["sweep"]["methods"]
     rounds = _local_rounds(res)
     out = []
     for rate, runs in res["rates"].items():
@@ -92,7 +93,7 @@ def rows(res: dict) -> list[dict]:
                 final = base["evals"][-1][1] if base else None
                 row["steps_from"] = None if base is None else base.get("source", "measured")
             bits = bits_per_worker(run)
-            sim_steps = sim.get(key, {}).get("steps_to_target")
+            sim_steps = late.simulated_steps(res, key, seed, "early")
             warmup = res.get("warmup", {}).get(key, 0)
             predicted = None if sim_steps is None else predict(run, sim_steps, step_s, warmup)
             row |= {
@@ -107,8 +108,7 @@ def rows(res: dict) -> list[dict]:
             # An extrapolated row's seconds are themselves a product of steps and step time.
             known = run["kind"] == "measured" and seconds is not None and predicted is not None
             row["measured_over_predicted"] = seconds / predicted if known else None
-            # Its two factors: the steps over the simulation's (the sweep's seed), the rest the
-            # step time's.
+            # Its two factors: the steps over its seed's simulation's, the rest the step time's.
             row["steps_over_simulated"] = steps / sim_steps if known else None
             out.append(row)
     for row in out:
@@ -265,9 +265,8 @@ def goals(table: list[dict], res: dict) -> list[str]:
         lines.append(
             f"GOAL measured time to target within {GOAL_PREDICTION:.0%} of the prediction: "
             f"{verdict} (worst measured/predicted {ratio:.2f}: {worst['method']} seed "
-            f"{worst['seed']} at {worst['rate']}, its steps {steps:.2f}x the simulation's "
-            f"(seed {res['sweep'].get('seed', 0)}), its time per step {ratio / steps:.2f}x "
-            "the prediction's)"
+            f"{worst['seed']} at {worst['rate']}, its steps {steps:.2f}x its seed's simulation's, "
+            f"its time per step {ratio / steps:.2f}x the prediction's; {len(judged)} runs)"
         )
     else:
         lines.append("GOAL measured time to target within 25% of the prediction: NOT RUN")
@@ -300,6 +299,22 @@ def _reused(res: dict) -> str:
     )
 
 
+def table_row(res: dict, r: dict) -> str:
+    """A :func:`summary` row as a line of the report's tables."""
+    mbit = None if r["bits"] is None else r["bits"] / 1e6
+    seconds = _fmt(r["seconds"], ".1f", "not reached")
+    return (
+        f"| {res['labels'].get(r['method'], r['method'])} | {r['kind']} "
+        f"| {r['reached']}/{r['seeds']} | {_fmt(r['steps'], '.0f', 'not reached')} "
+        f"| {seconds} ({_fmt(r['seconds_spread'], '.1f')}) "
+        f"| {_fmt(r['speedup_fp32'], '.2f')} | {_fmt(r['speedup_bf16'], '.2f')} "
+        f"| {_fmt(mbit, ',.0f')} | {_fmt(r['predicted_s'], '.1f')} "
+        f"| {_fmt(r['measured_over_predicted'], '.2f')} "
+        f"({_fmt(r['steps_over_simulated'], '.2f')}) "
+        f"| {_fmt(r['final_validation'], '.4f')} |"
+    )
+
+
 def markdown(res: dict, table: list[dict]) -> str:
     """The report: setup, the summary table per rate, the goals."""
     sweep = res["sweep"]
@@ -322,9 +337,10 @@ def markdown(res: dict, table: list[dict]) -> str:
         "step time measured at this rate (a synchronous method's trajectory does not depend on the "
         "link). Predicted: steps to target in simulation x the median step time (a local-steps "
         "method's: the median over its rounds of a round's mean step, the synchronisation "
-        "included; 1-bit Adam's warm-up steps at their own median), for every seed from the "
-        "sweep's one seed; in brackets, the steps to target over the simulation's, the part of "
-        "measured/predicted that is not the step time.",
+        "included; 1-bit Adam's warm-up steps at their own median), each seed from its own "
+        "simulation (no prediction where that seed was not simulated); in brackets, the steps "
+        "to target over the simulation's, the part of measured/predicted that is not the step "
+        "time.",
         "",
     ]
     body = []
@@ -337,23 +353,22 @@ def markdown(res: dict, table: list[dict]) -> str:
             "(steps/simulated) | final validation |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in summary(table):
-            if r["rate"] != rate:
-                continue
-            mbit = None if r["bits"] is None else r["bits"] / 1e6
-            seconds = _fmt(r["seconds"], ".1f", "not reached")
-            body.append(
-                f"| {res['labels'].get(r['method'], r['method'])} | {r['kind']} "
-                f"| {r['reached']}/{r['seeds']} | {_fmt(r['steps'], '.0f', 'not reached')} "
-                f"| {seconds} ({_fmt(r['seconds_spread'], '.1f')}) "
-                f"| {_fmt(r['speedup_fp32'], '.2f')} | {_fmt(r['speedup_bf16'], '.2f')} "
-                f"| {_fmt(mbit, ',.0f')} | {_fmt(r['predicted_s'], '.1f')} "
-                f"| {_fmt(r['measured_over_predicted'], '.2f')} "
-                f"({_fmt(r['steps_over_simulated'], '.2f')}) "
-                f"| {_fmt(r['final_validation'], '.4f')} |"
-            )
+        body += [table_row(res, r) for r in summary(table) if r["rate"] == rate]
         body.append("")
     return "\n".join(head + body + goals(table, res)) + "\n"
+
+
+def full_markdown(res: dict) -> str:
+    """The report of ``res`` (its ``table`` computed): :func:`markdown`, and the late target's
+    section (:mod:`experiments.e2e.late_report`, its table kept as ``res["late_table"]``)
+    where ``res`` carries the late stage."""
+    text = markdown(res, res["table"])
+    if not res.get("late"):
+        return text
+    from experiments.e2e import late_report  # it builds on this module
+
+    res["late_table"] = late_report.rows(res)
+    return text + "\n" + late_report.markdown(res, res["late_table"])
 
 
 def figure(res: dict, path) -> None:
@@ -393,6 +408,8 @@ def figure(res: dict, path) -> None:
                 label=res["labels"].get(run["method"], run["method"]) if first else None,
             )
         ax.axhline(res["sweep"]["target"], color="k", linestyle=":", label="target")
+        if res.get("late"):
+            ax.axhline(res["late"]["target"], color="gray", linestyle=":", label="late target")
         title = f"{rate} (fainter: later seeds; dashed: extrapolated)"
         ax.set(title=title, xlabel="training seconds", ylabel="validation loss")
         # symlog: linear below one second, so the step-0 evaluation (clock 0) stays on the axis
@@ -413,8 +430,8 @@ def rerender(path: Path) -> str:
     if "parameters" not in res and runs:  # a stopped run's file: written before its end
         res["parameters"] = runs[0]["parameters"]
     res["table"] = rows(res)
+    text = full_markdown(res)
     path.write_text(json.dumps(res, indent=1, default=float))
-    text = markdown(res, res["table"])
     path.with_suffix(".md").write_text(text)
     figure(res, path.with_suffix(".png"))
     return text

@@ -8,19 +8,25 @@ validation loss, in real ``jax.distributed`` processes on bench-net's
 rate-limited loopback (its namespace, ``tc`` and process launcher), and
 reports wall-clock seconds, steps and bits to the target.
 
-Two stages:
+Three stages:
 
 1. ``--sweep`` (:mod:`experiments.e2e.sweep`, in simulation): the **target** (dense
    bf16's best validation loss at the token budget) and each method's learning rate, the
    rate that reaches it in the fewest steps.  Committed as
    ``experiments/e2e/sweep.json``: the target is fixed before any timed run.
+1b. ``--late`` (:mod:`experiments.e2e.late`, in simulation): the **late target** (dense
+   bf16's validation loss at 3x the budget, near its plateau), and every seed's simulated
+   steps to both targets of the methods that matter most at each rate.  Committed as
+   ``experiments/e2e/late.json``.
 2. The timed runs (as root): at 1 Gbit/s every method runs to the target for
    real, per seed.  At 0.1 Gbit/s a steady method's (synchronous, every step
    alike) steps to target are those of its 1 Gbit/s run (its trajectory does
    not depend on the link) and only its step time is measured, over a few
    steps: those rows are labelled *extrapolated*.  Local-step methods
    (DiLoCo, SparseLoCo) and 1-bit Adam (dense warm-up steps, then 1-bit
-   ones) run to the target at every rate.
+   ones) run to the target at every rate.  Then the local-steps methods of the late stage run
+   to the late target at ``--late-rates`` (the others' times to it are their seeds'
+   simulated steps x the step time measured at each rate: :mod:`experiments.e2e.late_report`).
 
 The timed runs go one job per rate and method, the results file rewritten after each;
 ``--resume`` reuses the runs of earlier results files whose settings match, so a full run
@@ -31,6 +37,7 @@ can be made in parts.  Writes ``results/bench_e2e.{json,md,png}``
 Usage::
 
     python -m experiments.e2e.run --sweep          # simulation; writes the committed sweep
+    python -m experiments.e2e.run --late           # simulation; the late target, every seed
     python -m experiments.e2e.run --quick          # as root: 1 Gbit/s, 3 methods, 1 seed
     python -m experiments.e2e.run                  # as root: every method, 2 seeds, 2 rates
     python -m experiments.e2e.run --resume         # the same, reusing the runs already timed
@@ -52,7 +59,7 @@ from pathlib import Path
 from experiments.common import jobs, netns
 from experiments.common.jobs import ROOT
 from experiments.common.machine import load_average, machine
-from experiments.e2e import report, task
+from experiments.e2e import late, report, task
 from experiments.e2e.sweep import WORKER, sweep
 
 WORKERS = 4
@@ -61,6 +68,8 @@ BUDGET_STEPS = 300
 EVAL_EVERY = 10
 MEASURED_RATE = "1gbit"
 EXTRAPOLATED_RATES = ("100mbit",)
+#: Where the local-steps methods run to the late target (the goal's rate first).
+LATE_RATES = ("100mbit", "1gbit")
 #: Steps timed at an extrapolated rate (a dense step takes seconds there).
 EXTRAPOLATION_STEPS = 6
 SEEDS = (0, 1)
@@ -91,7 +100,12 @@ def saved_runs(paths: list[Path]) -> dict[str, dict]:
     saved = {}
     for path in paths:
         res = json.loads(Path(path).read_text())
-        listed = [r | {"rate": rate} for rate, runs in res.get("rates", {}).items() for r in runs]
+        listed = [
+            r | {"rate": rate}
+            for field in ("rates", "late_rates")
+            for rate, runs in res.get(field, {}).items()
+            for r in runs
+        ]
         for run in listed + res.get("other_runs", []):
             run = run | {"timed_in": run.get("timed_in") or Path(path).name}
             saved[run_key(run, run["rate"], run["workers"])] = run
@@ -176,7 +190,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m experiments.e2e.run", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--sweep", action="store_true", help="stage 1 in simulation")
-    parser.add_argument("--fresh", action="store_true", help="with --sweep: ignore a saved one")
+    parser.add_argument("--late", action="store_true", help="stage 1b in simulation")
+    parser.add_argument(
+        "--fresh", action="store_true", help="with --sweep or --late: ignore a saved one"
+    )
     parser.add_argument("--quick", action="store_true", help="1 seed, 1 Gbit/s, 3 methods")
     keys = ",".join(task.BY_KEY)
     parser.add_argument("--methods", help=f"comma-separated, of {keys}")
@@ -201,6 +218,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "bench_e2e.json) whose settings match; only the others run",
     )
     parser.add_argument("--sweep-file", default=str(task.SWEEP_FILE))
+    parser.add_argument("--late-file", default=str(late.LATE_FILE))
+    parser.add_argument(
+        "--late-rates",
+        default=",".join(LATE_RATES),
+        help="comma-separated rates where the local-steps methods run to the late target "
+        "('' for none)",
+    )
     parser.add_argument("--out", default=str(ROOT / "results"), help="output directory")
     parser.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per job")
     args = parser.parse_args(argv)
@@ -220,7 +244,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     rates = (MEASURED_RATE,) if args.quick else (MEASURED_RATE, *EXTRAPOLATED_RATES)
     args.rates = tuple(args.rates.split(",")) if args.rates else rates
     known = (MEASURED_RATE, *EXTRAPOLATED_RATES)
-    unknown = [r for r in args.rates if r not in known]
+    args.late_rates = tuple(r for r in args.late_rates.split(",") if r)
+    unknown = [r for r in (*args.rates, *args.late_rates) if r not in known]
     if unknown:
         parser.error(f"argument --rates: unknown {unknown}; choose from {list(known)}")
     return args
@@ -246,6 +271,14 @@ def main(argv=None) -> int:
     if missing:
         print(f"bench-e2e: no swept learning rate for {missing}: run --sweep first")
         return 2
+    if args.late:
+        result = late.late(args, sweep_result, args.seeds)
+        print(f"bench-e2e: late target {result['target']:.4f}, cap {result['cap']} steps")
+        for name, run in result["runs"].items():
+            steps = late.steps_to(run["evals"], result["target"])
+            print(f"  {name:>14s}: steps to late target {steps}, {run['steps_run']} run")
+        print(f"wrote {args.late_file} in {time.perf_counter() - start:.0f} s")
+        return 0
     reason = netns.unavailable_reason(f"compjax-e2e-check-{os.getpid()}")
     if reason is not None:
         print(f"bench-e2e: skipped: {reason}")
@@ -267,6 +300,9 @@ def main(argv=None) -> int:
         "warmup": {m.key: m.warmup for m in task.METHODS if m.warmup},
         "measured_rate": MEASURED_RATE,
     }
+    late_stage = {} if args.quick or model else late.read_late(Path(args.late_file))
+    if late_stage.get("target") is not None:
+        res["late"] = late_stage
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = {}
@@ -280,23 +316,37 @@ def main(argv=None) -> int:
             return 2
         print(f"bench-e2e: {len(saved)} timed runs saved in {[str(p) for p in paths]}")
 
-    def write(rates: dict) -> None:
+    def write(rates: dict, field: str = "rates") -> None:
         # After every job: this run's report so far, and every saved run it does not report
         # (another method, seed or setting), so that a later --resume of this file loses none.
-        reported = {run_key(r, rate, args.workers) for rate, runs in rates.items() for r in runs}
+        res[field] = rates
+        reported = {
+            run_key(r, rate, args.workers)
+            for f in ("rates", "late_rates")
+            for rate, runs in res.get(f, {}).items()
+            for r in runs
+        }
         other = [r for k, r in saved.items() if k not in reported]
-        res.update(rates=rates, other_runs=other, seconds=time.perf_counter() - start)
+        res.update(other_runs=other, seconds=time.perf_counter() - start)
         (out / "bench_e2e.json").write_text(json.dumps(res, indent=1, default=float))
 
     res["rates"] = timed_runs(args, methods, sweep_result, model, saved, write)
+    if "late" in res and args.late_rates:
+        # The local-steps methods of the late stage, to the late target (and its cap).
+        to_late = sweep_result | {"target": res["late"]["target"], "max_steps": res["late"]["cap"]}
+        local = tuple(m for m in methods if m.local and m.key in late.LATE_METHODS)
+        late_args = argparse.Namespace(**vars(args) | {"rates": args.late_rates})
+        res["late_rates"] = timed_runs(
+            late_args, local, to_late, model, saved, lambda r: write(r, "late_rates")
+        )
     res["parameters"] = next(
         (r["parameters"] for runs in res["rates"].values() for r in runs), task.MODEL.parameters
     )
     res["load_after"] = load_average()
     table = report.rows(res)
     res["table"] = table
+    text = report.full_markdown(res)
     write(res["rates"])
-    text = report.markdown(res, table)
     (out / "bench_e2e.md").write_text(text)
     report.figure(res, out / "bench_e2e.png")
     full = not args.quick and not model and args.workers == WORKERS and args.seeds == SEEDS
