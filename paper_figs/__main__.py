@@ -33,6 +33,7 @@ FIGURES = (
     "fig11_variance_per_bit",
     "fig12_demo",
     "fig13_diloco",
+    "fig13_diloco_rounds",
 )
 
 

@@ -282,6 +282,8 @@ def report(s: Scale, swept, rates, results, traffics) -> tuple[str, str]:
             "peak learning rate; the least chosen):\n\n" + sweep_table(swept)
         )
     eligible = {k: g for k, g in gaps.items() if rounds(_method(s, k), s.steps) >= MIN_ROUNDS}
+    if not eligible:
+        return measured, f"Not judged: no configuration ran {MIN_ROUNDS} outer rounds."
     return measured, base.verdict(eligible, ratios)
 
 

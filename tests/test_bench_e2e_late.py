@@ -49,10 +49,11 @@ def test_the_late_stage_fixes_the_target_then_runs_every_seed_resumably(tmp_path
     assert saved["runs"]["bf16/0"]["steps_run"] == 12 and len(saved["runs"]) == 2
     assert calls[:2] == [("bf16", 0, None, 12), ("bf16", 1, 2.5, 24)]  # cap 2 x 12
     result = late.late(args, _sweep(), (0, 1))
-    # Nothing finished is run twice (only the interrupted fp32/0 is): the lead, the late
-    # methods for both seeds (bf16/0 is the lead), then the others to the early target for
-    # seed 1 only (the sweep ran seed 0).
-    assert calls[2] == calls[3] == ("fp32", 0, 2.5, 24)
+    # Nothing finished is run twice (only the interrupted one is): the lead, the late methods
+    # for both seeds (bf16/0 is the lead; the goals' methods first), then the others to the
+    # early target for seed 1 only (the sweep ran seed 0).
+    assert calls[2] == calls[3] == ("diloco-int8", 0, 2.5, 24)
+    assert [c[0] for c in calls[4:7]] == ["diloco-int8", "sparseloco", "sparseloco"]
     assert len(calls) == 1 + (2 * len(late.LATE_METHODS) - 1) + len(late.EARLY_ONLY) + 1
     assert result["target"] == 2.5 and result["cap"] == 24 and result["late_steps"] == 12
     early_only = [c for c in calls if c[0] in late.EARLY_ONLY]
@@ -161,9 +162,33 @@ def test_the_report_carries_the_late_section_and_resume_keeps_late_runs(tmp_path
     assert "late target" not in bench_e2e_report.rerender(saved)
 
 
+def test_only_seeds_whose_simulation_reached_the_late_target_run_to_it(monkeypatch):
+    res = _result()
+    res["late"]["runs"]["diloco-int8/1"] = _sim("diloco-int8", 1, [(0, 4.0), (24, 2.7)])
+    asked, written = [], []
+
+    def timed_runs(args, methods, sweep_result, model, saved, progress):
+        (m,) = methods
+        asked.append((m.key, tuple(args.seeds), args.rates, sweep_result["target"]))
+        got = {"100mbit": [{"method": m.key, "seed": s} for s in args.seeds]}
+        progress(got)
+        return got
+
+    monkeypatch.setattr(bench_e2e, "timed_runs", timed_runs)
+    args = bench_e2e.parse_args(["--late-rates", "100mbit"])
+    methods = task.select(["bf16", "diloco-int8", "sparseloco"])
+    out = bench_e2e.late_timed_runs(
+        args, methods, res["sweep"], res, {}, lambda r, f: written.append((f, r))
+    )
+    # Seed 1 of DiLoCo never reached it in simulation (cap 24); SparseLoCo has no simulation.
+    assert asked == [("diloco-int8", (0,), ("100mbit",), 2.5)]
+    assert out == {"100mbit": [{"method": "diloco-int8", "seed": 0}]}
+    assert written == [("late_rates", out)]
+
+
 def test_late_command_line():
     args = bench_e2e.parse_args([])
-    assert args.late_rates == ("100mbit", "1gbit")
+    assert args.late_rates == ("100mbit",)
     assert bench_e2e.parse_args(["--late-rates", ""]).late_rates == ()
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--late-rates", "10gbit"])

@@ -34,8 +34,9 @@ LATE_FILE = task.HERE / "late.json"
 LATE_FACTOR = 3
 #: Runs to the late target stop at this multiple of its steps (the cap).
 CAP_FACTOR = 2
-#: Raced to the late target: the baselines and the methods that matter most at each rate.
-LATE_METHODS = ("bf16", "fp32", "sign-sg", "qsgd512-sg", "onebit-adam", "diloco-int8", "sparseloco")
+#: Raced to the late target: the baselines and the methods that matter most at each rate, in
+#: the order they are simulated (the goals' first: a stopped stage has those).
+LATE_METHODS = ("bf16", "diloco-int8", "sparseloco", "sign-sg", "qsgd512-sg", "onebit-adam", "fp32")
 #: Raced to the early target only (for their per-seed predictions).
 EARLY_ONLY = tuple(m.key for m in task.METHODS if m.key not in LATE_METHODS)
 
