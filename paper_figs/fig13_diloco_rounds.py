@@ -41,11 +41,12 @@ per-step non-finite flag included) has that interval entirely below +3%;
 *partly reproduced* if only its mean is below +3%; otherwise *did not
 reproduce*.
 
-Each run is kept in ``results/fig13_diloco_rounds.json`` as it finishes;
-``--resume`` reuses them (the runs are deterministic), so the 2-core machine's
-hour can be spread.  ``FULL=1 python -m paper_figs.fig13_diloco_rounds
---resume``; without ``FULL`` a quick check (200 steps, H = 5, one seed, the
-rate unswept).  Writes ``out/fig13_diloco_rounds.png`` and ``.md``.
+Each run is kept in ``results/fig13_diloco_rounds.json`` as it finishes and
+reused by later calls (the runs are deterministic; ``--fresh`` ignores them), so
+the 2-core machine's hour can be spread over sittings.  ``FULL=1 python -m
+paper_figs fig13_diloco_rounds``; without ``FULL`` a quick check (200 steps,
+H = 5, one seed, the rate unswept).  Writes ``out/fig13_diloco_rounds.png`` and
+``.md``.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def rounds(method: Method, steps: int) -> int:
 
 
 class Runs:
-    """Finished runs, keyed by (method, learning rate, seed, steps), kept in ``path`` as JSON
-    after each one; ``resume=False`` starts from none."""
+    """Finished runs, keyed by (method, learning rate, seed, steps, width), kept in ``path``
+    as JSON after each one; ``resume=False`` starts from none."""
 
     def __init__(self, path: pathlib.Path, resume: bool):
         self.path = path
@@ -291,11 +292,11 @@ def _method(s: Scale, label: str) -> Method:
     return next(m for m in s.methods if m.label == label)
 
 
-def main(out_dir: pathlib.Path = OUT_DIR, resume: bool = False) -> list[pathlib.Path]:
-    """Sweep and train every method (reusing finished runs with ``resume``); write the figure
+def main(out_dir: pathlib.Path = OUT_DIR, fresh: bool = False) -> list[pathlib.Path]:
+    """Sweep and train every method (reusing finished runs unless ``fresh``); write the figure
     and its section."""
     s = scale()
-    runs = Runs(CACHE, resume)
+    runs = Runs(CACHE, resume=not fresh)
     swept, rates, results = measure(s, runs)
     params = base.problem(0, WIDTH)[0]
     traffics = {m.label: base.traffic(m, params) for m in s.methods}
@@ -304,6 +305,7 @@ def main(out_dir: pathlib.Path = OUT_DIR, resume: bool = False) -> list[pathlib.
     draw(s, results, traffics, png)
     measured, verdict = report(s, swept, rates, results, traffics)
     n_params = sum(a.size for a in jax.tree.leaves(params))
+    done = [r for k, r in runs.done.items() if k.split("|")[3:] == [str(s.steps), f"w{WIDTH}"]]
     tokens = s.steps * base.WORKERS * base.BATCH * base.LENGTH
     passes = tokens / base.dataset().train.y.size
     rate_text = (
@@ -326,7 +328,8 @@ def main(out_dir: pathlib.Path = OUT_DIR, resume: bool = False) -> list[pathlib.
         f"rates: {rate_text}. Criterion (fixed before the runs): some configuration with >= "
         f"{MIN_ROUNDS} rounds at >= {base.MIN_RATIO:g}x fewer bits whose 95% interval of the "
         f"validation gap to data parallel lies below +{100 * base.TOLERANCE:g}%: reproduced; "
-        "only its mean: partly."
+        f"only its mean: partly. Compute: {len(done)} runs of {s.steps} steps (the sweep's "
+        f"included), {sum(r['seconds'] for r in done) / 60:.0f} minutes."
     )
     md = common.section(
         NAME,
@@ -347,5 +350,5 @@ def main(out_dir: pathlib.Path = OUT_DIR, resume: bool = False) -> list[pathlib.
 
 
 if __name__ == "__main__":
-    for p in main(resume="--resume" in sys.argv[1:]):
+    for p in main(fresh="--fresh" in sys.argv[1:]):
         print(p)
