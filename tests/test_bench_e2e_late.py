@@ -141,6 +141,7 @@ def test_a_measured_late_run_is_judged_against_its_out_of_sample_prediction():
     res |= {"machine": {"cpu": "cpu", "cpu_count": 2}, "seconds": 1.0, "parameters": 10}
     text = late_report.markdown(res, table)
     assert "not reached within it: diloco-int8" in text
+    assert "Not run yet (no simulation): sparseloco, qsgd512-sg, onebit-adam." in text
     assert "| diloco-int8 | measured | 0/1 | not reached | not reached (—) |" in text
     assert "| sign-sg | extrapolated (simulated steps) | 1/1 | 10 | 2.5 (0.0) |" in text
 

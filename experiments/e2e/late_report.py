@@ -120,6 +120,11 @@ def markdown(res: dict, table: list[dict]) -> str:
     unreached = sorted(
         {res["labels"].get(r["method"], r["method"]) for r in table if r["steps"] is None}
     )
+    missing = [
+        res["labels"].get(key, key)
+        for key in late.LATE_METHODS
+        if not any(r["method"] == key for r in table)
+    ]
     head = [
         "# The late target",
         "",
@@ -132,6 +137,7 @@ def markdown(res: dict, table: list[dict]) -> str:
             if unreached
             else "every run reached it. "
         )
+        + (f"Not run yet (no simulation): {', '.join(missing)}. " if missing else "")
         + "*measured*: ran to the late target across processes at that rate; *extrapolated "
         "(simulated steps)*: that seed's steps to it in simulation x the step time measured at "
         "that rate in the same method's and seed's early-target run. Predicted (every row): "
