@@ -21,10 +21,10 @@ steps (1.64M characters, 4.4 passes over the training text):
 * data parallel (the float32 mean gradient into AdamW every step);
 * DiLoCo (outer Nesterov SGD, lr 0.7, momentum 0.9) with exact, int8 and MXFP4
   pseudo-gradients, and SparseLoCo at its defaults, at ``H`` in
-  ``SYNC_EVERY = (5, 10, 25)``: 320, 160 and 64 outer rounds;
-* for the shape of the final loss against ``H`` only, exact DiLoCo at
-  ``H = 50`` and ``100`` as well (32 and 16 rounds: not eligible for the
-  criterion).
+  ``SYNC_EVERY = (5, 10, 25)``: 320, 160 and 64 outer rounds; the final loss
+  against ``H`` at this fixed token budget is the paper's shape.  (Exact DiLoCo
+  at ``H = 50`` and ``100``, 32 and 16 rounds, was planned for that panel as
+  well and dropped to keep the compute within the issue's budget.)
 
 Every configuration's peak learning rate is swept on the validation split
 (seed ``SWEEP_SEED``) as in :mod:`paper_figs.fig13_diloco`: ``(1e-3, 3e-3,
@@ -73,8 +73,6 @@ OUT_DIR = common.OUT_DIR
 WIDTH = 64
 STEPS = 1600
 SYNC_EVERY = (5, 10, 25)
-#: Exact DiLoCo at these H too, for the loss-against-H shape only (fewer than MIN_ROUNDS).
-SHAPE_ONLY = (50, 100)
 MIN_ROUNDS = 64
 SEEDS = (0, 1, 2)
 #: The quick mode's one peak learning rate (no sweep).
@@ -84,7 +82,6 @@ CACHE = common.RESULTS / f"{NAME}.json"
 METHODS = (
     base.DATA_PARALLEL,
     *(Method(c, h) for h in SYNC_EVERY for c in base.COMPRESSORS),
-    *(Method("exact", h) for h in SHAPE_ONLY),
 )
 
 
@@ -323,11 +320,10 @@ def main(out_dir: pathlib.Path = OUT_DIR, fresh: bool = False) -> list[pathlib.P
         f"AdamW (weight decay {base.WEIGHT_DECAY}, {base.WARMUP} warm-up steps, cosine to "
         f"{base.END_FRACTION:g} of the peak); DiLoCo's outer Nesterov SGD (lr {base.OUTER_LR}, "
         f"momentum {base.OUTER_MOMENTUM}) on exact, int8 or MXFP4 pseudo-gradients; SparseLoCo "
-        f"at its defaults. H in {list(SYNC_EVERY)} (at least {MIN_ROUNDS} outer rounds each); "
-        f"exact DiLoCo at H in {list(SHAPE_ONLY)} too, for the shape only. Peak learning "
-        f"rates: {rate_text}. Criterion (fixed before the runs): some configuration with >= "
-        f"{MIN_ROUNDS} rounds at >= {base.MIN_RATIO:g}x fewer bits whose 95% interval of the "
-        f"validation gap to data parallel lies below +{100 * base.TOLERANCE:g}%: reproduced; "
+        f"at its defaults. H in {list(SYNC_EVERY)} (at least {MIN_ROUNDS} outer rounds each). "
+        f"Peak learning rates: {rate_text}. Criterion (fixed before the runs): some "
+        f"configuration with >= {MIN_ROUNDS} rounds at >= {base.MIN_RATIO:g}x fewer bits whose "
+        f"95% interval of the validation gap to data parallel lies below +{100 * base.TOLERANCE:g}%: reproduced; "
         f"only its mean: partly. Compute: {len(done)} runs of {s.steps} steps (the sweep's "
         f"included), {sum(r['seconds'] for r in done) / 60:.0f} minutes."
     )

@@ -12,10 +12,9 @@ from paper_figs.fig13_diloco import Method
 
 def test_every_judged_configuration_has_at_least_64_rounds():
     judged = [m for m in fig.METHODS if m.compressor and m.sync_every in fig.SYNC_EVERY]
-    assert len(judged) == 4 * len(fig.SYNC_EVERY) and len(fig.METHODS) == 1 + 12 + 2
+    assert len(judged) == 4 * len(fig.SYNC_EVERY) and len(fig.METHODS) == 1 + 12
     assert all(fig.rounds(m, fig.STEPS) >= fig.MIN_ROUNDS for m in judged)
-    shape = [m for m in fig.METHODS if m.sync_every in fig.SHAPE_ONLY]
-    assert shape and all(fig.rounds(m, fig.STEPS) < fig.MIN_ROUNDS for m in shape)
+    assert fig.rounds(fig.Method("exact", 5), 200) < fig.MIN_ROUNDS  # the quick mode's
     assert fig.STEPS % base.EVAL_EVERY == 0 and set(fig.scale().methods) <= set(fig.METHODS)
 
 
