@@ -324,8 +324,9 @@ def main(out_dir: pathlib.Path = OUT_DIR, fresh: bool = False) -> list[pathlib.P
         f"Peak learning rates: {rate_text}. Criterion (fixed before the runs): some "
         f"configuration with >= {MIN_ROUNDS} rounds at >= {base.MIN_RATIO:g}x fewer bits whose "
         f"95% interval of the validation gap to data parallel lies below "
-        f"+{100 * base.TOLERANCE:g}%: reproduced; only its mean: partly. Compute: {len(done)} runs of {s.steps} steps (the sweep's "
-        f"included), {sum(r['seconds'] for r in done) / 60:.0f} minutes."
+        f"+{100 * base.TOLERANCE:g}%: reproduced; only its mean: partly. Compute: {len(done)} "
+        f"runs of {s.steps} steps (the sweep's included), "
+        f"{sum(r['seconds'] for r in done) / 60:.0f} minutes."
     )
     md = common.section(
         NAME,
