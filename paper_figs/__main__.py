@@ -8,6 +8,7 @@ fig7_signsgd`` only those (the summary then holds every section present).
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import time
 
@@ -45,10 +46,17 @@ def summary(timings: dict[str, float]) -> str:
         "claim, what ran, the measured numbers and whether the claim reproduced at this scale. "
         "The compressor table is in [compressors.md](compressors.md).\n"
     ]
+    # A figure not run now keeps the time its last run wrote.
+    old = OUT_DIR / "SUMMARY.md"
+    earlier = (
+        dict(re.findall(r"^_(\w+)\.py( \(ran in \d+ s\))_$", old.read_text(), re.M))
+        if old.exists()
+        else {}
+    )
     for name in FIGURES[1:]:
         path = OUT_DIR / f"{name}.md"
         if path.exists():
-            took = f" (ran in {timings[name]:.0f} s)" if name in timings else ""
+            took = f" (ran in {timings[name]:.0f} s)" if name in timings else earlier.get(name, "")
             parts.append(path.read_text().rstrip() + f"\n\n_{name}.py{took}_\n")
     return "\n".join(parts)
 
