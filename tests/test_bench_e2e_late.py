@@ -157,6 +157,11 @@ def test_the_report_carries_the_late_section_and_resume_keeps_late_runs(tmp_path
     assert text.index("## 1gbit\n") < text.index("# The late target")
     key = bench_e2e.run_key(res["late_rates"]["100mbit"][0], "100mbit", 4)
     assert key in bench_e2e.saved_runs([saved])
+    # --late-file: the late stage's file as it is now, not the one the results file saved.
+    later = dict(res["late"]) | {"target": 2.5}
+    (tmp_path / "late.json").write_text(json.dumps(later))
+    assert bench_e2e_report.main([str(saved), "--late-file", str(tmp_path / "late.json")]) == 0
+    assert json.loads(saved.read_text())["late"]["target"] == 2.5
     # Without the late stage the report is the early one alone.
     del res["late"]
     saved.write_text(json.dumps(res))

@@ -421,11 +421,14 @@ def figure(res: dict, path) -> None:
     plt.close(fig)
 
 
-def rerender(path: Path) -> str:
+def rerender(path: Path, late_file: Path | None = None) -> str:
     """Rebuild a results file's table, report and figure from its runs (after a change to
     this module, or from a stopped run's file): ``path`` (``.json``) and its ``.md`` and
-    ``.png`` are rewritten; the report."""
+    ``.png`` are rewritten; the report.  ``late_file``: the late stage to report instead of
+    the one the file holds (its simulation went on after the timed runs)."""
     res = json.loads(path.read_text())
+    if late_file is not None:
+        res["late"] = late.read_late(late_file)
     runs = [r for rate_runs in res["rates"].values() for r in rate_runs]
     if "parameters" not in res and runs:  # a stopped run's file: written before its end
         res["parameters"] = runs[0]["parameters"]
@@ -444,8 +447,14 @@ def main(argv=None) -> int:
         prog="python -m experiments.e2e.report", description=main.__doc__.split(":", 1)[1]
     )
     parser.add_argument("files", nargs="+", type=Path, help="saved runs (results/bench_e2e.json)")
-    for path in parser.parse_args(argv).files:
-        print(rerender(path))
+    parser.add_argument(
+        "--late-file",
+        type=Path,
+        help="report this late stage (experiments/e2e/late.json) instead of the saved one",
+    )
+    args = parser.parse_args(argv)
+    for path in args.files:
+        print(rerender(path, args.late_file))
     return 0
 
 
