@@ -133,6 +133,7 @@ def test_a_measured_late_run_is_judged_against_its_out_of_sample_prediction():
     assert "(sign-sg, 4.80x)" in lines[0]
     assert "0.1 Gbit/s: MET (diloco-int8, 13.64x)" in lines[1]
     assert "prediction: MISSED (1 runs; worst 1.47: diloco-int8 seed 0 at 100mbit" in lines[2]
+    assert lines[2].endswith("its time per step 1.33x the prediction's)")
     # Not reached within the cap: no seconds, no speedup (counted 0 by the goal).
     res["late_rates"]["100mbit"][0]["reached_step"] = None
     table = late_report.rows(res)

@@ -109,7 +109,8 @@ def goals(table: list[dict], res: dict) -> list[str]:
         lines.append(
             f"{head}: {verdict} ({len(judged)} runs; worst {ratio:.2f}: {worst['method']} seed "
             f"{worst['seed']} at {worst['rate']}, its steps {worst['steps_over_simulated']:.2f}x "
-            "its seed's simulation)"
+            f"its seed's simulation, its time per step "
+            f"{ratio / worst['steps_over_simulated']:.2f}x the prediction's)"
         )
     return lines
 
